@@ -1,0 +1,13 @@
+"""jaxspec: speculative decoding for LLMs in JAX/XLA, for AMD (ROCm), NVIDIA and CPU."""
+
+from jaxspec.config import ModelConfig, load_config
+from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
+from jaxspec.generate import generate
+from jaxspec.loading import Model, load
+from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
+
+__all__ = [
+    "CallMetrics", "CheckpointError", "Completion", "Completions", "ConfigError", "InputError",
+    "JaxspecError", "Model", "ModelConfig", "RequestStats", "generate", "load", "load_config",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,123 @@
+"""Plain autoregressive decoding of a padded batch: prefill, then one jitted `lax.while_loop`
+that runs until every row has hit EOS or its token budget, or the cache is full.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.model import Weights, forward
+from jaxspec.sampling import SamplingParams, row_keys, sample_tokens
+
+RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_PADDING = 0, 1, 2, 3
+FINISH_REASONS = {FINISH_EOS: "eos", FINISH_LENGTH: "length"}
+
+
+@struct.dataclass
+class Batch:
+    """A padded batch of requests; all arrays are [b] or [b, t]."""
+
+    tokens: jnp.ndarray  # [b, t] int32 prompts, right-padded
+    prompt_lens: jnp.ndarray  # [b] int32; 0 marks a padding row
+    max_new_tokens: jnp.ndarray  # [b] int32
+    sampling: SamplingParams
+    seeds: jnp.ndarray  # [b] uint32
+
+
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    last_token: jnp.ndarray  # [b] int32, sampled but not yet in the cache
+    out_tokens: jnp.ndarray  # [b, max_out] int32
+    num_generated: jnp.ndarray  # [b] int32
+    finish: jnp.ndarray  # [b] int32: RUNNING or a FINISH_* code
+    steps: jnp.ndarray  # [] int32, target forward passes after prefill
+
+
+@struct.dataclass
+class DecodeOutput:
+    tokens: jnp.ndarray  # [b, max_out] int32; row b's first num_generated[b] are real
+    num_generated: jnp.ndarray  # [b] int32
+    finish: jnp.ndarray  # [b] int32 FINISH_* code
+    steps: jnp.ndarray  # [] int32, target forward passes after prefill
+
+
+def is_eos(tokens: jnp.ndarray, eos_ids: tuple[int, ...]) -> jnp.ndarray:
+    hit = jnp.zeros(tokens.shape, bool)
+    for e in eos_ids:
+        hit |= tokens == e
+    return hit
+
+
+def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, dtype):
+    """Runs the prompts; returns (logits of each row's last prompt token [b, v], cache)."""
+    b = batch.tokens.shape[0]
+    cache = KVCache.create(config, b, capacity, dtype)
+    logits, cache = forward(weights, config, batch.tokens, cache)
+    last = jnp.take_along_axis(logits, jnp.maximum(batch.prompt_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, cache.replace(lengths=batch.prompt_lens)
+
+
+def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> DecodeState:
+    """Appends `token` to every running row and updates finish codes."""
+    running = state.finish == RUNNING
+    rows = jnp.arange(token.shape[0])
+    out = state.out_tokens.at[rows, state.num_generated].set(
+        jnp.where(running, token, state.out_tokens[rows, state.num_generated]), mode="drop"
+    )
+    n = state.num_generated + running
+    finish = jnp.where(running & is_eos(token, eos_ids), FINISH_EOS, state.finish)
+    finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
+    return state.replace(out_tokens=out, num_generated=n, finish=finish, last_token=token)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_out", "greedy_only"))
+def decode(
+    weights: Weights,
+    batch: Batch,
+    *,
+    config: ModelConfig,
+    capacity: int,
+    max_out: int,
+    greedy_only: bool,
+) -> DecodeOutput:
+    """Prefill + the whole decode loop as one compiled graph."""
+    dtype = weights.embed.dtype
+    eos_ids = config.eos_token_ids
+    b = batch.tokens.shape[0]
+    logits, cache = prefill(weights, config, batch, capacity, dtype)
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = DecodeState(
+        cache=cache,
+        last_token=zeros,
+        out_tokens=jnp.full((b, max_out), config.pad_token_id, jnp.int32),
+        num_generated=zeros,
+        finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+        steps=jnp.zeros((), jnp.int32),
+    )
+    first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+    state = _record(state, first, batch, eos_ids)
+
+    def cond(s: DecodeState):
+        running = s.finish == RUNNING
+        fits = jnp.all(jnp.where(running, s.cache.lengths + 1 <= capacity, True))
+        return jnp.any(running) & fits
+
+    def body(s: DecodeState):
+        running = s.finish == RUNNING
+        logits, cache = forward(weights, config, s.last_token[:, None], s.cache)
+        cache = cache.replace(lengths=cache.lengths + running)
+        keys = row_keys(batch.seeds, s.num_generated)
+        token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)
+        return _record(s.replace(cache=cache, steps=s.steps + 1), token, batch, eos_ids)
+
+    state = jax.lax.while_loop(cond, body, state)
+    # Rows still running stopped because the cache is full.
+    finish = jnp.where(state.finish == RUNNING, FINISH_LENGTH, state.finish)
+    return DecodeOutput(state.out_tokens, state.num_generated, finish, state.steps)

@@ -1,0 +1,225 @@
+"""Llama-family decoder as pure JAX functions over a weights pytree, layers stacked and scanned.
+
+Einsum legend: b batch, t query, s key slot, d model, h query heads, n kv heads, g queries per kv
+head, k head dim, f ffn, v vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.rope import apply_rope, inverse_frequencies, rope_tables
+
+
+@struct.dataclass
+class LayerWeights:
+    """Every field is stacked over layers (leading axis L); optional fields are None when absent."""
+
+    attn_norm: jnp.ndarray  # [L, d]
+    wq: jnp.ndarray  # [L, d, h, k]
+    wk: jnp.ndarray  # [L, d, n, k]
+    wv: jnp.ndarray  # [L, d, n, k]
+    wo: jnp.ndarray  # [L, h, k, d]
+    mlp_norm: jnp.ndarray  # [L, d]
+    w_gate: jnp.ndarray  # [L, d, f]
+    w_up: jnp.ndarray  # [L, d, f]
+    w_down: jnp.ndarray  # [L, f, d]
+    bq: jnp.ndarray | None = None  # [L, h, k]
+    bk: jnp.ndarray | None = None  # [L, n, k]
+    bv: jnp.ndarray | None = None  # [L, n, k]
+    bo: jnp.ndarray | None = None  # [L, d]
+    q_norm: jnp.ndarray | None = None  # [L, k]
+    k_norm: jnp.ndarray | None = None  # [L, k]
+    b_gate: jnp.ndarray | None = None  # [L, f]
+    b_up: jnp.ndarray | None = None  # [L, f]
+    b_down: jnp.ndarray | None = None  # [L, d]
+
+
+@struct.dataclass
+class Weights:
+    embed: jnp.ndarray  # [v, d]
+    layers: LayerWeights
+    final_norm: jnp.ndarray  # [d]
+    lm_head: jnp.ndarray | None = None  # [d, v]; None when tied to embed
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One weight, declared once for conversion, validation and random init."""
+
+    field: str  # "embed" or "layers.wq": where it lives in Weights
+    hf_name: str  # HF tensor name; "{i}" stands for the layer index
+    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # engine shape (per layer for layers.*)
+    transpose: bool  # HF stores [out, in]; we keep [in, out]
+
+    @property
+    def per_layer(self) -> bool:
+        return self.field.startswith("layers.")
+
+
+def param_specs(c: ModelConfig) -> list[ParamSpec]:
+    d, f, v, h, n, k = (
+        c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim,
+    )
+    p = "model.layers.{i}."
+    specs = [
+        ParamSpec("embed", "model.embed_tokens.weight", (v, d), (v, d), False),
+        ParamSpec("final_norm", "model.norm.weight", (d,), (d,), False),
+        ParamSpec("layers.attn_norm", p + "input_layernorm.weight", (d,), (d,), False),
+        ParamSpec("layers.wq", p + "self_attn.q_proj.weight", (h * k, d), (d, h, k), True),
+        ParamSpec("layers.wk", p + "self_attn.k_proj.weight", (n * k, d), (d, n, k), True),
+        ParamSpec("layers.wv", p + "self_attn.v_proj.weight", (n * k, d), (d, n, k), True),
+        ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True),
+        ParamSpec("layers.mlp_norm", p + "post_attention_layernorm.weight", (d,), (d,), False),
+        ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True),
+        ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True),
+        ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True),
+    ]
+    if not c.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head", "lm_head.weight", (v, d), (d, v), True))
+    if c.qkv_bias:
+        specs += [
+            ParamSpec("layers.bq", p + "self_attn.q_proj.bias", (h * k,), (h, k), False),
+            ParamSpec("layers.bk", p + "self_attn.k_proj.bias", (n * k,), (n, k), False),
+            ParamSpec("layers.bv", p + "self_attn.v_proj.bias", (n * k,), (n, k), False),
+        ]
+    if c.o_bias:
+        specs.append(ParamSpec("layers.bo", p + "self_attn.o_proj.bias", (d,), (d,), False))
+    if c.qk_norm:
+        specs += [
+            ParamSpec("layers.q_norm", p + "self_attn.q_norm.weight", (k,), (k,), False),
+            ParamSpec("layers.k_norm", p + "self_attn.k_norm.weight", (k,), (k,), False),
+        ]
+    if c.mlp_bias:
+        specs += [
+            ParamSpec("layers.b_gate", p + "mlp.gate_proj.bias", (f,), (f,), False),
+            ParamSpec("layers.b_up", p + "mlp.up_proj.bias", (f,), (f,), False),
+            ParamSpec("layers.b_down", p + "mlp.down_proj.bias", (d,), (d,), False),
+        ]
+    return specs
+
+
+def weights_from_fields(fields: dict[str, jnp.ndarray]) -> Weights:
+    """{"embed": ..., "layers.wq": [L, ...], ...} -> Weights."""
+    layers = {k.split(".", 1)[1]: a for k, a in fields.items() if k.startswith("layers.")}
+    top = {k: a for k, a in fields.items() if not k.startswith("layers.")}
+    return Weights(layers=LayerWeights(**layers), **top)
+
+
+def weights_to_fields(weights: Weights) -> dict[str, jnp.ndarray]:
+    fields = {k: getattr(weights, k) for k in ("embed", "final_norm", "lm_head")}
+    for f in dataclasses.fields(LayerWeights):
+        fields["layers." + f.name] = getattr(weights.layers, f.name)
+    return {k: a for k, a in fields.items() if a is not None}
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    # As HF: normalise in float32, cast back to the activation dtype, then scale.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def _add(x: jnp.ndarray, bias: jnp.ndarray | None) -> jnp.ndarray:
+    return x if bias is None else x + bias
+
+
+def attention_mask(
+    cache_lengths: jnp.ndarray,  # [b]
+    positions: jnp.ndarray,  # [b, t]
+    capacity: int,
+    chunk_mask: jnp.ndarray,  # [t, t] bool: query i may see new token j
+    sliding_window: int | None,
+) -> jnp.ndarray:
+    """[b, t, s] bool: the committed prefix, plus the new tokens chunk_mask allows."""
+    slots = jnp.arange(capacity)
+    rel = slots[None, :] - cache_lengths[:, None]  # [b, s]: index into the new chunk
+    t = positions.shape[1]
+    in_prefix = rel < 0
+    in_chunk = (rel >= 0) & (rel < t)
+    rel_c = jnp.clip(rel, 0, t - 1)
+    chunk_allowed = jnp.moveaxis(chunk_mask[:, rel_c], 0, 1)  # [b, t, s]
+    mask = in_prefix[:, None, :] | (in_chunk[:, None, :] & chunk_allowed)
+    if sliding_window is not None:
+        key_pos = jnp.where(in_prefix, slots[None, :], jnp.take_along_axis(positions, rel_c, axis=1))
+        mask &= (positions[:, :, None] - key_pos[:, None, :]) < sliding_window
+    return mask
+
+
+def _layer(config: ModelConfig, inv_freq, mask, positions, carry, xs):
+    x, cache_k, cache_v, lengths = carry
+    w, layer = xs
+    b, t, _ = x.shape
+    c = config
+
+    h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+    q = _add(jnp.einsum("btd,dhk->bthk", h, w.wq), w.bq)
+    k = _add(jnp.einsum("btd,dnk->btnk", h, w.wk), w.bk)
+    v = _add(jnp.einsum("btd,dnk->btnk", h, w.wv), w.bv)
+    if c.qk_norm:
+        q = rms_norm(q, w.q_norm, c.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+    cos, sin = rope_tables(positions, inv_freq, x.dtype)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    # Write the new keys/values beside the committed prefix, then attend over the whole cache.
+    slots = lengths[:, None] + jnp.arange(t)[None, :]
+    rows = jnp.arange(b)[:, None]
+    cache_k = cache_k.at[layer, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[layer, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+    keys, values = cache_k[layer], cache_v[layer]  # [b, s, n, k]
+
+    qg = q.reshape(b, t, c.num_kv_heads, c.queries_per_kv, c.head_dim)
+    scores = jnp.einsum("btngk,bsnk->bngts", qg, keys, preferred_element_type=jnp.float32)
+    scores = scores * (c.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    attn = jnp.einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
+    x = x + _add(jnp.einsum("bthk,hkd->btd", attn, w.wo), w.bo)
+
+    h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
+    gate = _add(jnp.einsum("btd,df->btf", h, w.w_gate), w.b_gate)
+    up = _add(jnp.einsum("btd,df->btf", h, w.w_up), w.b_up)
+    x = x + _add(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down), w.b_down)
+    return (x, cache_k, cache_v, lengths), None
+
+
+def forward(
+    weights: Weights,
+    config: ModelConfig,
+    tokens: jnp.ndarray,  # [b, t] int32
+    cache: KVCache,
+    positions: jnp.ndarray | None = None,  # [b, t]; default lengths + arange(t)
+    chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
+) -> tuple[jnp.ndarray, KVCache]:
+    """Runs t new tokens per row; returns (logits [b, t, v] float32, cache with their K/V written).
+
+    The cache's lengths are not advanced: the caller commits what it keeps.
+    """
+    b, t = tokens.shape
+    if positions is None:
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if chunk_mask is None:
+        chunk_mask = jnp.tril(jnp.ones((t, t), bool))
+    mask = attention_mask(cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window)
+    inv_freq = inverse_frequencies(config.rope, config.head_dim)
+
+    x = weights.embed[tokens]
+    layer_ids = jnp.arange(config.num_layers)
+    body = lambda carry, xs: _layer(config, inv_freq, mask, positions, carry, xs)  # noqa: E731
+    (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, cache.lengths), (weights.layers, layer_ids))
+
+    x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
+    if weights.lm_head is None:
+        logits = jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+    return logits, cache.replace(k=k, v=v)

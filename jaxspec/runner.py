@@ -1,0 +1,96 @@
+"""Runs validated requests: groups them into padded batches of a few bucketed shapes, compiles
+each shape once (cached), and turns device results into Completions.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxspec.decode import FINISH_REASONS, Batch, decode
+from jaxspec.loading import Model
+from jaxspec.requests import Request
+from jaxspec.sampling import SamplingParams
+from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
+
+MIN_BUCKET = 16
+_compiled: dict = {}  # (graph key) -> compiled executable
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The power of two >= n (at least `minimum`): prompt lengths, budgets and batch sizes are
+    padded to these so a long job compiles a handful of graphs."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def plan_batches(requests: list[Request], max_batch_size: int) -> list[list[int]]:
+    """Indices of requests grouped by length, so each batch pads little."""
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].token_ids))
+    return [order[i : i + max_batch_size] for i in range(0, len(order), max_batch_size)]
+
+
+def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id: int) -> Batch:
+    tokens = np.full((batch_size, prompt_len), pad_id, np.int32)
+    lens = np.zeros(batch_size, np.int32)
+    max_new = np.ones(batch_size, np.int32)
+    temp = np.zeros(batch_size, np.float32)
+    top_k = np.zeros(batch_size, np.int32)
+    top_p = np.ones(batch_size, np.float32)
+    seeds = np.zeros(batch_size, np.uint32)
+    for i, r in enumerate(requests):
+        tokens[i, : len(r.token_ids)] = r.token_ids
+        lens[i] = len(r.token_ids)
+        max_new[i] = r.max_new_tokens
+        temp[i], top_k[i], top_p[i] = r.sampling.temperature, r.sampling.top_k, r.sampling.top_p
+        seeds[i] = r.seed
+    return Batch(tokens, lens, max_new, SamplingParams(temp, top_k, top_p), seeds)
+
+
+def _executable(model: Model, batch: Batch, capacity: int, max_out: int, greedy_only: bool):
+    """(compiled decode graph, seconds spent compiling it now: 0 when cached)."""
+    key = (model.config, model.dtype, batch.tokens.shape, capacity, max_out, greedy_only)
+    if key in _compiled:
+        return _compiled[key], 0.0
+    start = time.perf_counter()
+    exe = decode.lower(
+        model.weights, batch, config=model.config, capacity=capacity, max_out=max_out,
+        greedy_only=greedy_only,
+    ).compile()
+    _compiled[key] = exe
+    return exe, time.perf_counter() - start
+
+
+def run(model: Model, requests: list[Request], max_batch_size: int) -> Completions:
+    start = time.perf_counter()
+    results: list[Completion | None] = [None] * len(requests)
+    compile_s = decode_s = 0.0
+    graphs = 0
+    for group in plan_batches(requests, max_batch_size):
+        reqs = [requests[i] for i in group]
+        prompt_len = bucket(max(len(r.token_ids) for r in reqs))
+        max_out = bucket(max(r.max_new_tokens for r in reqs))
+        batch = make_batch(reqs, bucket(len(reqs), 1), prompt_len, model.config.pad_token_id)
+        greedy_only = all(r.sampling.greedy for r in reqs)
+        exe, spent = _executable(model, batch, prompt_len + max_out, max_out, greedy_only)
+        compile_s += spent
+        graphs += spent > 0
+        t0 = time.perf_counter()
+        out = jax.device_get(exe(model.weights, batch))
+        decode_s += time.perf_counter() - t0
+        for row, i in enumerate(group):
+            n = int(out.num_generated[row])
+            ids = out.tokens[row, :n].tolist()
+            text = model.tokenizer.decode(ids, skip_special_tokens=True) if model.tokenizer else None
+            stats = RequestStats(prompt_tokens=len(reqs[row].token_ids), new_tokens=n, target_steps=n)
+            results[i] = Completion(text, ids, FINISH_REASONS[int(out.finish[row])], stats)
+    metrics = CallMetrics(
+        requests=len(requests),
+        new_tokens=sum(c.stats.new_tokens for c in results),
+        wall_s=time.perf_counter() - start,
+        compile_s=compile_s,
+        decode_s=decode_s,
+        graphs_compiled=graphs,
+    )
+    return Completions(results, metrics)

@@ -1,0 +1,68 @@
+"""Per-row sampling settings, the logits transform (temperature -> top-k -> top-p, as HF orders
+them) and per-request PRNG streams, all in float32.
+
+A row's random stream depends only on its seed and on the index of the token being drawn, so a
+seeded request produces the same text whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class SamplingParams:
+    temperature: jnp.ndarray  # [b] float32; 0 = greedy
+    top_k: jnp.ndarray  # [b] int32; 0 = off
+    top_p: jnp.ndarray  # [b] float32; 1 = off
+
+
+def filtered_logits(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
+    """logits [b, ..., v] -> float32 logits / temperature with filtered tokens at -inf.
+
+    Rows with temperature 0 are left at temperature 1 (they are decoded greedily anyway).
+    """
+    x = logits.astype(jnp.float32)
+    extra = (1,) * (x.ndim - 2)  # broadcast per-row settings over middle axes
+    temp = jnp.where(params.temperature > 0, params.temperature, 1.0).reshape((-1,) + extra + (1,))
+    x = x / temp
+    vocab = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)  # [b, ..., v] descending
+    # top-k: keep everything >= the k-th largest (ties kept, as HF does).
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab).reshape((-1,) + extra + (1,))
+    kth = jnp.take_along_axis(desc, k - 1, axis=-1)
+    desc = jnp.where(desc >= kth, desc, -jnp.inf)
+    # top-p: keep the smallest head of the sorted distribution whose mass reaches p (the token
+    # that crosses p is kept): rank r stays iff the mass strictly above it is < p.
+    probs = jax.nn.softmax(desc, axis=-1)
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_above < params.top_p.reshape((-1,) + extra + (1,))
+    keep = keep.at[..., 0].set(True)
+    floor = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x >= floor, x, -jnp.inf)  # floor >= kth: top-k is applied too
+
+
+def target_probs(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
+    """The sampling distribution [b, ..., v] float32 that the settings define."""
+    return jax.nn.softmax(filtered_logits(logits, params), axis=-1)
+
+
+def row_keys(seeds: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
+    """One PRNG key per row for drawing that row's token number `index` ([b] each)."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, index)
+
+
+def sample_tokens(
+    logits: jnp.ndarray,  # [b, v]
+    params: SamplingParams,
+    keys: jnp.ndarray,  # [b, 2]
+    greedy_only: bool,
+) -> jnp.ndarray:
+    """[b] int32: argmax for temperature-0 rows, a draw from the filtered distribution otherwise."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params)).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)
