@@ -38,10 +38,12 @@ def filtered_logits(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
     # that crosses p is kept): rank r stays iff the mass strictly above it is < p.
     probs = jax.nn.softmax(desc, axis=-1)
     mass_above = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_above < params.top_p.reshape((-1,) + extra + (1,))
+    top_p = params.top_p.reshape((-1,) + extra + (1,))
+    # top_p == 1 keeps everything: float32 cumulative sums can reach 1 before the tail ends.
+    keep = (mass_above < top_p) | (top_p >= 1.0)
     keep = keep.at[..., 0].set(True)
     floor = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x >= floor, x, -jnp.inf)  # floor >= kth: top-k is applied too
+    return jnp.where((x >= kth) & (x >= floor), x, -jnp.inf)
 
 
 def target_probs(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:

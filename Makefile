@@ -1,0 +1,41 @@
+# Two entry points for a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Make the prompts and sizes of the demo overridable: make demo PROMPT='def f(x):'
+PROMPT ?= def fibonacci(n):
+
+.PHONY: demo test setup setup-test convert clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# The engine and its runtime dependencies.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Test extras; torch 2.13.0 first, so a CPU build is used where one is at hand.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+# Converts the embedded Hugging Face models (checkpoints/hf/) to Orbax checkpoints.
+checkpoints/%/jaxspec.json: | $(VENV)/.installed
+	$(BIN)/python scripts/convert_hf_checkpoint.py checkpoints/hf/$* checkpoints/$*
+
+convert: checkpoints/code-target-16m/jaxspec.json checkpoints/code-draft-4m/jaxspec.json
+
+demo: convert
+	$(BIN)/jaxspec generate "$(PROMPT)" --max-new-tokens 96
+
+test: setup-test
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) checkpoints/code-target-16m checkpoints/code-draft-4m
