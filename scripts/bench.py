@@ -463,11 +463,6 @@ def main(argv: list[str] | None = None) -> int:
             self_consistency[b] = agreement(j["_tokens"], by_key[("jaxspec", 1)]["_tokens"])
 
     info["load_average_end"] = load_average()
-    busy = [r for r in rows if (r.get("others_cpu_share") or 0) > 0.15]
-    if busy:
-        log("warning: other processes used CPU during: " + ", ".join(
-            f"{r['engine']} batch {r['batch']} ({r['others_cpu_share']:.0%} of the CPUs)" for r in busy)
-            + "; those timings are unreliable")
     log("")
     log(f"== plain greedy decoding, {len(ids)} HumanEval prompts, max_new_tokens={args.max_new_tokens}, "
         f"target {target.name}, float32 ==")
@@ -486,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"machine: {info['cpu']}, {info['cpu_count']} CPUs | jax {info['jax']} ({info['jax_backend']})"
         + (f" | torch {info['torch']} ({info['torch_threads']} threads)" if "torch" in info else "")
         + f" | load avg start {info['load_average_start']} end {info['load_average_end']}")
+    busy = [r for r in rows if (r.get("others_cpu_share") or 0) > 0.15]
+    if busy:
+        log("warning: other processes used CPU during: " + ", ".join(
+            f"{r['engine']} batch {r['batch']} ({r['others_cpu_share']:.0%} of the CPUs)" for r in busy)
+            + "; those timings are unreliable")
 
     if args.json:
         out = {
