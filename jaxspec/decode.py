@@ -64,17 +64,31 @@ def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, 
     return last, cache.replace(lengths=batch.prompt_lens)
 
 
-def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> DecodeState:
-    """Appends `token` to every running row and updates finish codes."""
+def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids):
+    """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS
+    and at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish updated,
+    tokens kept per row [b])."""
     running = state.finish == RUNNING
-    rows = jnp.arange(token.shape[0])
-    out = state.out_tokens.at[rows, state.num_generated].set(
-        jnp.where(running, token, state.out_tokens[rows, state.num_generated]), mode="drop"
-    )
-    n = state.num_generated + running
-    finish = jnp.where(running & is_eos(token, eos_ids), FINISH_EOS, state.finish)
+    j = jnp.arange(new.shape[1])[None, :]
+    eos_hit = (j < count[:, None]) & is_eos(new, eos_ids)
+    has_eos = jnp.any(eos_hit, axis=1)
+    first_eos = jnp.argmax(eos_hit, axis=1)
+    kept = jnp.where(has_eos, first_eos + 1, count)
+    kept = jnp.where(running, jnp.minimum(kept, batch.max_new_tokens - state.num_generated), 0)
+    rows = jnp.arange(new.shape[0])[:, None]
+    # Positions past `kept` point outside the buffer and are dropped.
+    idx = jnp.where(j < kept[:, None], state.num_generated[:, None] + j, state.out_tokens.shape[1])
+    out = state.out_tokens.at[rows, idx].set(new, mode="drop")
+    n = state.num_generated + kept
+    finish = jnp.where(running & has_eos & (first_eos < kept), FINISH_EOS, state.finish)
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
-    return state.replace(out_tokens=out, num_generated=n, finish=finish, last_token=token)
+    return state.replace(out_tokens=out, num_generated=n, finish=finish), kept
+
+
+def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> DecodeState:
+    """Appends one token to every running row."""
+    state, _ = commit_tokens(state, token[:, None], jnp.ones_like(token), batch, eos_ids)
+    return state.replace(last_token=token)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "max_out", "greedy_only"))

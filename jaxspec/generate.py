@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import logging
+
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
 from jaxspec.requests import (
@@ -11,6 +13,9 @@ from jaxspec.requests import (
 )
 from jaxspec.runner import run
 from jaxspec.stats import Completions
+
+log = logging.getLogger("jaxspec")
+MAX_DRAFT_TOKENS = 32  # one static graph per K; past this a chain only wastes verify work
 
 
 def build_requests(
@@ -31,25 +36,64 @@ def build_requests(
     return requests
 
 
+def check_draft(target: Model, draft: Model, num_draft_tokens) -> int:
+    """Draft and target must share a vocabulary; K must be an int in [1, MAX_DRAFT_TOKENS]."""
+    if not isinstance(draft, Model):
+        raise InputError(f"draft must be a model from jaxspec.load or None; got {type(draft).__name__}")
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not (
+        1 <= num_draft_tokens <= MAX_DRAFT_TOKENS
+    ):
+        raise InputError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {num_draft_tokens!r}")
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise InputError(
+            f"draft {draft.name!r} has vocab_size {dv} but target {target.name!r} has {tv}: "
+            "draft and target must share one tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise InputError(
+                f"draft {draft.name!r} and target {target.name!r} have different tokenizers: "
+                "they must share one vocabulary"
+            )
+    return num_draft_tokens
+
+
 def generate(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     target: Model,
+    draft: Model | None = None,
     *,
     max_new_tokens: int = 128,
+    num_draft_tokens: int = 4,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | Sequence[int] = 0,
     max_batch_size: int = 32,
+    warn_below_acceptance: float = 0.6,
 ) -> Completions:
-    """Generates a completion for each prompt with the target model.
+    """Generates a completion for each prompt with the target model, speculatively when a draft
+    model is given (K = num_draft_tokens drafts verified per target pass), plainly otherwise.
 
-    prompts: strings (tokenized with the model's tokenizer) or lists of token ids.
+    Output is lossless: greedy output equals the target's own greedy output token for token,
+    and sampled output is distributed exactly as the target's sampling distribution.
+    prompts: strings (tokenized with the target's tokenizer) or lists of token ids.
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. seed: one int for all
     prompts (each prompt still draws from its own stream) or one int per prompt.
-    Returns Completions (a list, in prompt order) with `.metrics` for the whole call.
+    Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
+    warning when the call's acceptance rate is below `warn_below_acceptance`.
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InputError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
+    num_draft = check_draft(target, draft, num_draft_tokens) if draft is not None else 0
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
-    return run(target, requests, max_batch_size)
+    outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft)
+    rate = outs.metrics.acceptance_rate
+    if rate is not None and rate < warn_below_acceptance:
+        log.warning(
+            "acceptance rate %.2f is below %.2f: the draft %r may cost more than it saves for target %r "
+            "(try a smaller num_draft_tokens, a better-matched draft, or plain decoding)",
+            rate, warn_below_acceptance, draft.name, target.name,
+        )
+    return outs

@@ -13,6 +13,7 @@ from jaxspec.decode import FINISH_REASONS, Batch, decode
 from jaxspec.loading import Model
 from jaxspec.requests import Request
 from jaxspec.sampling import SamplingParams
+from jaxspec.speculative import speculative_decode
 from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
 
 MIN_BUCKET = 16
@@ -48,21 +49,57 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
     return Batch(tokens, lens, max_new, SamplingParams(temp, top_k, top_p), seeds)
 
 
-def _executable(model: Model, batch: Batch, capacity: int, max_out: int, greedy_only: bool):
-    """(compiled decode graph, seconds spent compiling it now: 0 when cached)."""
-    key = (model.config, model.dtype, batch.tokens.shape, capacity, max_out, greedy_only)
+def _executable(key: tuple, lower):
+    """(compiled graph for `key`, seconds spent compiling it now: 0 when cached)."""
     if key in _compiled:
         return _compiled[key], 0.0
     start = time.perf_counter()
-    exe = decode.lower(
+    _compiled[key] = lower().compile()
+    return _compiled[key], time.perf_counter() - start
+
+
+def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool):
+    capacity = batch.tokens.shape[1] + max_out
+    key = ("plain", model.config, model.dtype, batch.tokens.shape, capacity, max_out, greedy_only)
+    return _executable(key, lambda: decode.lower(
         model.weights, batch, config=model.config, capacity=capacity, max_out=max_out,
         greedy_only=greedy_only,
-    ).compile()
-    _compiled[key] = exe
-    return exe, time.perf_counter() - start
+    )), lambda exe: exe(model.weights, batch)
 
 
-def run(model: Model, requests: list[Request], max_batch_size: int) -> Completions:
+def _speculative(target: Model, draft: Model, num_draft: int, batch: Batch, max_out: int, greedy_only: bool):
+    # Slack for the K + 1 verify slots written past the committed length.
+    capacity = batch.tokens.shape[1] + max_out + num_draft + 1
+    key = ("spec", target.config, draft.config, target.dtype, draft.dtype, batch.tokens.shape,
+           capacity, max_out, num_draft, greedy_only)
+    return _executable(key, lambda: speculative_decode.lower(
+        target.weights, draft.weights, batch, target_config=target.config, draft_config=draft.config,
+        capacity=capacity, max_out=max_out, num_draft=num_draft, greedy_only=greedy_only,
+    )), lambda exe: exe(target.weights, draft.weights, batch)
+
+
+def _stats(request: Request, out, row: int, num_draft: int) -> RequestStats:
+    n = int(out.num_generated[row])
+    if num_draft == 0:
+        return RequestStats(prompt_tokens=len(request.token_ids), new_tokens=n, target_steps=n)
+    rounds = int(out.rounds[row])
+    per_position = tuple(int(a) for a in out.accepted_per_position[row])
+    return RequestStats(
+        prompt_tokens=len(request.token_ids),
+        new_tokens=n,
+        target_steps=rounds + 1,  # the prefill produced the first token
+        drafted=rounds * num_draft,
+        accepted=sum(per_position),
+        accepted_per_position=per_position,
+        drafted_per_position=(rounds,) * num_draft,
+    )
+
+
+def run(
+    target: Model, requests: list[Request], max_batch_size: int,
+    draft: Model | None = None, num_draft: int = 0,
+) -> Completions:
+    """Decodes all requests (speculatively when a draft is given) and returns them in order."""
     start = time.perf_counter()
     results: list[Completion | None] = [None] * len(requests)
     compile_s = decode_s = 0.0
@@ -71,19 +108,22 @@ def run(model: Model, requests: list[Request], max_batch_size: int) -> Completio
         reqs = [requests[i] for i in group]
         prompt_len = bucket(max(len(r.token_ids) for r in reqs))
         max_out = bucket(max(r.max_new_tokens for r in reqs))
-        batch = make_batch(reqs, bucket(len(reqs), 1), prompt_len, model.config.pad_token_id)
+        batch = make_batch(reqs, bucket(len(reqs), 1), prompt_len, target.config.pad_token_id)
         greedy_only = all(r.sampling.greedy for r in reqs)
-        exe, spent = _executable(model, batch, prompt_len + max_out, max_out, greedy_only)
+        if draft is None:
+            (exe, spent), call = _plain(target, batch, max_out, greedy_only)
+        else:
+            (exe, spent), call = _speculative(target, draft, num_draft, batch, max_out, greedy_only)
         compile_s += spent
         graphs += spent > 0
         t0 = time.perf_counter()
-        out = jax.device_get(exe(model.weights, batch))
+        out = jax.device_get(call(exe))
         decode_s += time.perf_counter() - t0
         for row, i in enumerate(group):
             n = int(out.num_generated[row])
             ids = out.tokens[row, :n].tolist()
-            text = model.tokenizer.decode(ids, skip_special_tokens=True) if model.tokenizer else None
-            stats = RequestStats(prompt_tokens=len(reqs[row].token_ids), new_tokens=n, target_steps=n)
+            text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
+            stats = _stats(reqs[row], out, row, num_draft if draft is not None else 0)
             results[i] = Completion(text, ids, FINISH_REASONS[int(out.finish[row])], stats)
     metrics = CallMetrics(
         requests=len(requests),
@@ -92,5 +132,8 @@ def run(model: Model, requests: list[Request], max_batch_size: int) -> Completio
         compile_s=compile_s,
         decode_s=decode_s,
         graphs_compiled=graphs,
+        target_steps=sum(c.stats.target_steps for c in results),
+        drafted=sum(c.stats.drafted for c in results),
+        accepted=sum(c.stats.accepted for c in results),
     )
     return Completions(results, metrics)

@@ -49,13 +49,27 @@ class CallMetrics:
     compile_s: float  # time spent compiling graphs not seen before
     decode_s: float  # device time of the decode graphs, compile excluded
     graphs_compiled: int
+    target_steps: int = 0  # target forward passes over all requests (prefills included)
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.target_steps if self.target_steps else 0.0
+
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s}
+        return {
+            **dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s,
+            "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step,
+        }
 
 
 @dataclasses.dataclass(frozen=True)

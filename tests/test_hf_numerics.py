@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
-import jaxspec  # noqa: E402
-from jaxspec.cache import KVCache  # noqa: E402
-from jaxspec.checkpoint import convert_hf_checkpoint  # noqa: E402
-from jaxspec.model import forward, weights_to_fields  # noqa: E402
+import jaxspec
+from jaxspec.cache import KVCache
+from jaxspec.checkpoint import convert_hf_checkpoint
+from jaxspec.model import forward, weights_to_fields
+from tiny_models import TINY, build_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_MODELS = ("code-target-16m", "code-draft-4m")
@@ -31,47 +32,6 @@ HUMANEVAL = REPO / "data" / "HumanEval.jsonl.gz"
 MAX_REL_ERR = 1e-5
 
 _forward = jax.jit(forward, static_argnums=1)  # ModelConfig is frozen, hence hashable
-
-# ---------------------------------------------------------------------------------------------
-# Tiny random-weight models, one per family / feature.
-
-BASE = dict(
-    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-    initializer_range=0.2,  # large random weights give decisive argmaxes for greedy comparisons
-    bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-)
-TINY = {
-    "llama_gqa": ("llama", {}),
-    "llama_tied_mqa": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
-    # head_dim 16, theta 1e4: wavelengths 6.3 (kept), 19.9 (blended), 63+ (divided by 8) against
-    # the 8..32 band that original_max_position_embeddings=32 defines.
-    "llama3_rope": ("llama", dict(rope_parameters=dict(
-        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-        high_freq_factor=4.0, original_max_position_embeddings=32,
-    ))),
-    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
-    "mistral_swa": ("mistral", dict(sliding_window=8)),  # shorter than every prompt below
-    "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", dict(head_dim=32)),  # != hidden / heads = 16
-}
-
-
-def build_tiny_hf(family: str, overrides: dict, seed: int = 0):
-    """A float32 HF model with every parameter random (norm weights near 1, biases nonzero)."""
-    config = transformers.AutoConfig.for_model(family, **{**BASE, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    return model.eval()
-
 
 @pytest.fixture(scope="module", params=list(TINY))
 def tiny(request, tmp_path_factory):
