@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     add_sampling_args(p)
     p.set_defaults(func=run_generate)
+
+    from jaxspec.bench import add_bench_args, run_bench
+
+    p = sub.add_parser("bench", help="tokens/s of plain and speculative decoding vs HF transformers")
+    add_bench_args(p)
+    p.set_defaults(func=run_bench)
     return parser
 
 

@@ -1,0 +1,221 @@
+"""`jaxspec bench`: tokens/s of plain and speculative decoding on HumanEval prompts, beside HF
+transformers (plain and assisted generation) on the same prompts and weights, same machine.
+
+Every configuration is compiled / warmed up first; the reported time is the best of `--repeats`
+timed passes over all prompts (jaxspec: device decode time of its calls, prefill included,
+compile excluded; HF: wall time of its `generate` calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
+from jaxspec.errors import CheckpointError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model folder (default: embedded code-target-16m)")
+    p.add_argument("--draft", help="draft model folder (default: embedded code-draft-4m)")
+    p.add_argument("--prompts", type=int, default=20, help="first N HumanEval prompts (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="comma-separated (default 1,8)")
+    p.add_argument("--k", type=_ints, default=[2, 3, 4], help="draft lengths K to try (default 2,3,4)")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per row; the best is kept")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="jaxspec compute dtype (default: f32 CPU, bf16 GPU)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
+    p.add_argument("--hf-device", default="cpu", help="torch device for HF (default cpu)")
+    p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32", help="HF dtype (default float32)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
+    p.add_argument("--json", help="also write all results to this JSON file")
+
+
+def machine() -> dict:
+    import jax
+
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu, "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()], "python": platform.python_version(),
+    }
+
+
+def _groups(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats: int) -> dict:
+    import jaxspec
+
+    def one_pass():
+        outs, seconds = [], 0.0
+        for group in _groups(ids, batch):
+            res = jaxspec.generate(group, target, draft, max_new_tokens=max_new, num_draft_tokens=k or 1,
+                                   max_batch_size=batch, warn_below_acceptance=0.0)
+            outs += res
+            seconds += res.metrics.decode_s
+        return outs, seconds
+
+    one_pass()  # compile every shape
+    passes = [one_pass() for _ in range(repeats)]
+    outs = passes[0][0]
+    seconds = min(s for _, s in passes)
+    new = sum(o.stats.new_tokens for o in outs)
+    drafted = sum(o.stats.drafted for o in outs)
+    row = {
+        "engine": "jaxspec", "method": f"spec K={k}" if draft is not None else "plain", "batch": batch,
+        "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds,
+        "tokens_per_step": new / sum(o.stats.target_steps for o in outs),
+        "acceptance_rate": sum(o.stats.accepted for o in outs) / drafted if drafted else None,
+    }
+    return row, [o.token_ids for o in outs]
+
+
+def hf_folder(path: Path) -> Path:
+    """HF can only read the safetensors folder: for a converted checkpoint, its embedded source."""
+    if any(path.glob("*.safetensors")):
+        return path
+    source = CHECKPOINTS / "hf" / path.name
+    if any(source.glob("*.safetensors")):
+        return source
+    raise CheckpointError(f"no HF safetensors for {path} (looked in {source}); pass an HF folder or --no-hf")
+
+
+def load_hf(path: Path, device: str, dtype: str, threads: int | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if threads:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_folder(path)), dtype=getattr(torch, dtype)).to(device)
+    return model.eval()
+
+
+def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_ids) -> dict:
+    import torch
+
+    device = model.device
+
+    def call(group):
+        width = max(len(g) for g in group)
+        pad = model.generation_config.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(g)) + list(g) for g in group], device=device)
+        mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group], device=device)
+        kw = {"assistant_model": assistant} if assistant is not None else {}
+        with torch.inference_mode():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=max_new, pad_token_id=pad, **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        rows = []
+        for r in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(r) if t in eos_ids), len(r))
+            rows.append(r[:cut])
+        return rows, dt
+
+    call(_groups(ids, batch)[0])  # warm-up
+
+    def one_pass():
+        rows, seconds = [], 0.0
+        for group in _groups(ids, batch):
+            r, dt = call(group)
+            rows += r
+            seconds += dt
+        return rows, seconds
+
+    passes = [one_pass() for _ in range(repeats)]
+    rows = passes[0][0]
+    seconds = min(s for _, s in passes)
+    new = sum(len(r) for r in rows)
+    method = "assisted" if assistant is not None else "plain"
+    return {"engine": "hf", "method": method, "batch": batch, "new_tokens": new, "seconds": seconds,
+            "tokens_per_s": new / seconds, "tokens_per_step": None, "acceptance_rate": None}, rows
+
+
+def run_bench(args) -> int:
+    import jaxspec
+    from jaxspec.humaneval import load_prompts
+
+    target_path = Path(args.target or embedded_model(DEFAULT_TARGET))
+    draft_path = Path(args.draft or embedded_model(DEFAULT_DRAFT))
+    target = jaxspec.load(target_path, dtype=args.dtype)
+    draft = jaxspec.load(draft_path, dtype=args.dtype)
+    ids = [target.tokenizer.encode(p) for p in load_prompts(limit=args.prompts)]
+    info = machine()
+    print(f"machine: {info}")
+    print(f"{len(ids)} HumanEval prompts, {args.max_new_tokens} new tokens, greedy, target {target.name} "
+          f"({target.dtype}), draft {draft.name}", flush=True)
+    if not args.no_hf:
+        hf_target = load_hf(target_path, args.hf_device, args.hf_dtype, args.threads)
+        hf_draft = load_hf(draft_path, args.hf_device, args.hf_dtype, args.threads)
+    rows = []
+    for batch in args.batch_sizes:
+        plain_row, plain_ids = bench_jaxspec(ids, target, None, 0, batch, args.max_new_tokens, args.repeats)
+        plain_row["same_as_plain"] = len(ids)
+        rows.append(plain_row)
+        print(_fmt(plain_row), flush=True)
+        for k in args.k:
+            row, out = bench_jaxspec(ids, target, draft, k, batch, args.max_new_tokens, args.repeats)
+            row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
+            row["speedup_vs_plain"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
+            rows.append(row)
+            print(_fmt(row), flush=True)
+        if not args.no_hf:
+            eos = set(target.config.eos_token_ids)
+            row, out = bench_hf(ids, hf_target, None, batch, args.max_new_tokens, args.repeats, eos)
+            row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
+            rows.append(row)
+            print(_fmt(row), flush=True)
+            if batch == 1:  # HF assisted generation serves one sequence at a time
+                row, out = bench_hf(ids, hf_target, hf_draft, batch, args.max_new_tokens, args.repeats, eos)
+                row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
+                rows.append(row)
+                print(_fmt(row), flush=True)
+    _summary(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=2, default=str))
+    return 0
+
+
+def _fmt(r: dict) -> str:
+    tps = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-"
+    acc = f"{r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else "-"
+    return (f"{r['engine']:8s} {r['method']:10s} batch {r['batch']:3d}  {r['new_tokens']:6d} tokens "
+            f"{r['seconds']:8.3f} s {r['tokens_per_s']:9.1f} tok/s  tok/step {tps:>5s}  acc {acc:>5s}  "
+            f"same-as-plain {r['same_as_plain']}")
+
+
+def _summary(rows: list[dict]) -> None:
+    print("\n| engine | method | batch | tokens/s | tokens/step | acceptance | vs jaxspec plain | greedy == plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["engine"] == "jaxspec" and r["method"] == "plain"}
+    for r in rows:
+        tps = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-"
+        acc = f"{r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else "-"
+        print(f"| {r['engine']} | {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | {tps} | {acc} | "
+              f"{r['tokens_per_s'] / plain[r['batch']]:.2f}x | {r['same_as_plain']} |")
