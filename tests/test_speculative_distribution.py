@@ -1,0 +1,113 @@
+"""Speculative sampling is lossless: emitted tokens follow the target's sampling distribution.
+
+A tiny random target/draft pair on a 16-token vocabulary; each request samples 3 tokens (the
+first from the target's prefill, the next two from one draft -> verify round with K = 2, which
+exercises acceptance, rejection + residual, and the bonus token). The empirical joint of tokens
+2 and 3 over many seeds is compared with the exact distribution computed from the target's
+filtered probabilities over every prefix, by a chi-square test; the same test must reject a
+deliberately biased acceptance rule.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+import jaxspec
+import jaxspec.speculative as speculative
+from jaxspec import runner
+from jaxspec.acceptance import accept_sampling
+from jaxspec.cache import KVCache
+from jaxspec.model import forward
+from jaxspec.requests import Request, SamplingSettings
+from jaxspec.sampling import SamplingParams, target_probs
+from tiny_models import save_tiny
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+VOCAB = 16
+PROMPT = (3, 7, 1, 12)
+N = 40_000
+SETTINGS = [
+    SamplingSettings(temperature=0.8),
+    SamplingSettings(temperature=1.3, top_k=6),
+    SamplingSettings(temperature=1.0, top_p=0.8),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    base = dict(vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, pad_token_id=0, initializer_range=0.5)
+    root = tmp_path_factory.mktemp("pair")
+    target = jaxspec.load(save_tiny(root / "t", "llama", base, seed=3), dtype="float32")
+    draft = jaxspec.load(save_tiny(root / "d", "llama", {**base, "num_hidden_layers": 1}, seed=4), dtype="float32")
+    return target, draft
+
+
+def exact_joint(target, s: SamplingSettings) -> np.ndarray:
+    """P(token 2 = a, token 3 = b) [VOCAB, VOCAB] under the target's own sampling."""
+    params = SamplingParams(jnp.array([s.temperature]), jnp.array([s.top_k]), jnp.array([s.top_p]))
+
+    def probs_after(prefixes: np.ndarray) -> np.ndarray:
+        tokens = jnp.asarray(prefixes, jnp.int32)
+        cache = KVCache.create(target.config, len(prefixes), prefixes.shape[1], target.dtype)
+        logits, _ = forward(target.weights, target.config, tokens, cache)
+        p = jax.vmap(lambda l: target_probs(l[None], params)[0])(logits[:, -1])
+        return np.asarray(p, np.float64)
+
+    p1 = probs_after(np.array([PROMPT]))[0]  # [V]
+    y1 = np.arange(VOCAB)
+    p2 = probs_after(np.array([PROMPT + (a,) for a in y1]))  # [V(y1), V(y2)]
+    pairs = [(a, b) for a in y1 for b in y1]
+    p3 = probs_after(np.array([PROMPT + ab for ab in pairs])).reshape(VOCAB, VOCAB, VOCAB)
+    joint = np.einsum("a,ab,abc->bc", p1, p2, p3)
+    return joint / joint.sum()
+
+
+def sampled_joint(target, draft, s: SamplingSettings) -> np.ndarray:
+    reqs = [Request(PROMPT, 3, s, seed) for seed in range(N)]
+    outs = runner.run(target, reqs, max_batch_size=8192, draft=draft, num_draft=2)
+    counts = np.zeros((VOCAB, VOCAB))
+    for o in outs:
+        assert len(o.token_ids) == 3
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+    return counts
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    counts, probs = counts.ravel(), probs.ravel()
+    assert counts[probs == 0].sum() == 0, "sampled a token pair the target's filters exclude"
+    expected = probs * counts.sum()
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return sps.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_speculative_sampling_matches_target_distribution(pair, setting):
+    target, draft = pair
+    probs = exact_joint(target, setting)
+    counts = sampled_joint(target, draft, setting)
+    assert chi2_pvalue(counts, probs) > 1e-4
+
+
+def test_the_test_catches_a_biased_acceptance_rule(pair, monkeypatch):
+    """Accepting drafts 5 % too often skews the output toward the draft: the test must see it."""
+    target, draft = pair
+
+    def biased(drafts, q, p, uniforms, keys):
+        return accept_sampling(drafts, q, p * 1.05, uniforms, keys)
+
+    monkeypatch.setattr(speculative, "accept_sampling", biased)
+    # Trace and compile the biased graph rather than reuse a cached one; forget it afterwards.
+    monkeypatch.setattr(runner, "_compiled", {})
+    jax.clear_caches()
+    try:
+        setting = SETTINGS[0]
+        counts = sampled_joint(target, draft, setting)
+        assert chi2_pvalue(counts, exact_joint(target, setting)) < 1e-6
+    finally:
+        jax.clear_caches()
