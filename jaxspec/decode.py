@@ -91,7 +91,7 @@ def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> De
     return state.replace(last_token=token)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_out", "greedy_only"))
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_out", "greedy_only", "attention"))
 def decode(
     weights: Weights,
     batch: Batch,
@@ -100,6 +100,7 @@ def decode(
     capacity: int,
     max_out: int,
     greedy_only: bool,
+    attention: str = "xla",
 ) -> DecodeOutput:
     """Prefill + the whole decode loop as one compiled graph."""
     dtype = weights.embed.dtype
@@ -125,7 +126,7 @@ def decode(
 
     def body(s: DecodeState):
         running = s.finish == RUNNING
-        logits, cache = forward(weights, config, s.last_token[:, None], s.cache)
+        logits, cache = forward(weights, config, s.last_token[:, None], s.cache, attention=attention)
         cache = cache.replace(lengths=cache.lengths + running)
         keys = row_keys(batch.seeds, s.num_generated)
         token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)

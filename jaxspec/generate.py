@@ -6,8 +6,11 @@ from typing import Sequence
 
 import logging
 
+import jax
+
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
+from jaxspec.model import ATTENTION_IMPLS
 from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_token_ids, encode_prompt, seeds_for,
 )
@@ -34,6 +37,14 @@ def build_requests(
         ids = check_token_ids(ids, c.vocab_size, c.max_position_embeddings, max_new_tokens, field)
         requests.append(Request(ids, max_new_tokens, sampling, seeds[i]))
     return requests
+
+
+def resolve_attention(attention) -> str:
+    if attention == "auto":
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
+    if attention not in ATTENTION_IMPLS:
+        raise InputError(f"attention must be one of auto, {', '.join(ATTENTION_IMPLS)}; got {attention!r}")
+    return attention
 
 
 def check_draft(target: Model, draft: Model, num_draft_tokens) -> int:
@@ -72,6 +83,7 @@ def generate(
     seed: int | Sequence[int] = 0,
     max_batch_size: int = 32,
     warn_below_acceptance: float = 0.6,
+    attention: str = "auto",
 ) -> Completions:
     """Generates a completion for each prompt with the target model, speculatively when a draft
     model is given (K = num_draft_tokens drafts verified per target pass), plainly otherwise.
@@ -81,6 +93,8 @@ def generate(
     prompts: strings (tokenized with the target's tokenizer) or lists of token ids.
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. seed: one int for all
     prompts (each prompt still draws from its own stream) or one int per prompt.
+    attention: "xla", "pallas" (the fused Pallas kernel for decode/verify steps; GPU, or CPU in
+    interpret mode for tests) or "auto" (pallas on GPUs, xla on the CPU).
     Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
     warning when the call's acceptance rate is below `warn_below_acceptance`.
     """
@@ -88,7 +102,8 @@ def generate(
         raise InputError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
     num_draft = check_draft(target, draft, num_draft_tokens) if draft is not None else 0
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
-    outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft)
+    outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft,
+               attention=resolve_attention(attention))
     rate = outs.metrics.acceptance_rate
     if rate is not None and rate < warn_below_acceptance:
         log.warning(

@@ -153,7 +153,31 @@ def attention_mask(
     return mask
 
 
-def _layer(config: ModelConfig, inv_freq, mask, positions, carry, xs):
+ATTENTION_IMPLS = ("xla", "pallas")
+PALLAS_MAX_CHUNK = 64  # the fused kernel serves decode/verify chunks; prefill stays on XLA
+
+
+def use_pallas(attention: str, config: ModelConfig, chunk: int, capacity: int) -> bool:
+    """Whether this forward runs the fused Pallas tree-attention kernel."""
+    from pallas_kernels.tree_attention import BLOCK_K
+
+    return (
+        attention == "pallas" and config.sliding_window is None and chunk <= PALLAS_MAX_CHUNK
+        and capacity % BLOCK_K == 0
+    )
+
+
+def _xla_attention(c: ModelConfig, q, keys, values, mask):
+    b, t = q.shape[:2]
+    qg = q.reshape(b, t, c.num_kv_heads, c.queries_per_kv, c.head_dim)
+    scores = jnp.einsum("btngk,bsnk->bngts", qg, keys, preferred_element_type=jnp.float32)
+    scores = scores * (c.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
+
+
+def _layer(config: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, carry, xs):
     x, cache_k, cache_v, lengths = carry
     w, layer = xs
     b, t, _ = x.shape
@@ -177,12 +201,16 @@ def _layer(config: ModelConfig, inv_freq, mask, positions, carry, xs):
     cache_v = cache_v.at[layer, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
     keys, values = cache_k[layer], cache_v[layer]  # [b, s, n, k]
 
-    qg = q.reshape(b, t, c.num_kv_heads, c.queries_per_kv, c.head_dim)
-    scores = jnp.einsum("btngk,bsnk->bngts", qg, keys, preferred_element_type=jnp.float32)
-    scores = scores * (c.head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    attn = jnp.einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
+    if pallas:
+        from pallas_kernels.tree_attention import tree_attention
+
+        # Prefix = slots < lengths; the chunk's own keys come in beside it under chunk_mask.
+        k_new, v_new = k.astype(keys.dtype), v.astype(values.dtype)
+        interpret = jax.default_backend() == "cpu"  # the CPU runs Pallas only in interpret mode
+        attn = tree_attention(q.astype(keys.dtype), keys, values, k_new, v_new, lengths, chunk_mask,
+                              interpret=interpret)
+    else:
+        attn = _xla_attention(c, q, keys, values, mask)
     x = x + _add(jnp.einsum("bthk,hkd->btd", attn, w.wo), w.bo)
 
     h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
@@ -199,6 +227,7 @@ def forward(
     cache: KVCache,
     positions: jnp.ndarray | None = None,  # [b, t]; default lengths + arange(t)
     chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
+    attention: str = "xla",  # "xla", or "pallas": the fused kernel for chunks of <= 64 tokens
 ) -> tuple[jnp.ndarray, KVCache]:
     """Runs t new tokens per row; returns (logits [b, t, v] float32, cache with their K/V written).
 
@@ -209,12 +238,15 @@ def forward(
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if chunk_mask is None:
         chunk_mask = jnp.tril(jnp.ones((t, t), bool))
-    mask = attention_mask(cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window)
+    pallas = use_pallas(attention, config, t, cache.capacity)
+    mask = None if pallas else attention_mask(
+        cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window
+    )
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     x = weights.embed[tokens]
     layer_ids = jnp.arange(config.num_layers)
-    body = lambda carry, xs: _layer(config, inv_freq, mask, positions, carry, xs)  # noqa: E731
+    body = lambda carry, xs: _layer(config, inv_freq, mask, positions, chunk_mask, pallas, carry, xs)  # noqa: E731
     (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, cache.lengths), (weights.layers, layer_ids))
 
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)

@@ -15,6 +15,7 @@ from jaxspec.requests import Request
 from jaxspec.sampling import SamplingParams
 from jaxspec.speculative import speculative_decode
 from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
+from pallas_kernels.tree_attention import BLOCK_K
 
 MIN_BUCKET = 16
 _compiled: dict = {}  # (graph key) -> compiled executable
@@ -58,23 +59,31 @@ def _executable(key: tuple, lower):
     return _compiled[key], time.perf_counter() - start
 
 
-def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool):
-    capacity = batch.tokens.shape[1] + max_out
-    key = ("plain", model.config, model.dtype, batch.tokens.shape, capacity, max_out, greedy_only)
+def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:
+    """Cache slots for a bucket, rounded to the attention kernel's block so both paths fit."""
+    return -(-(prompt_len + max_out + slack) // BLOCK_K) * BLOCK_K
+
+
+def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attention: str):
+    capacity = cache_capacity(batch.tokens.shape[1], max_out, 0)
+    key = ("plain", model.config, model.dtype, batch.tokens.shape, capacity, max_out, greedy_only, attention)
     return _executable(key, lambda: decode.lower(
         model.weights, batch, config=model.config, capacity=capacity, max_out=max_out,
-        greedy_only=greedy_only,
+        greedy_only=greedy_only, attention=attention,
     )), lambda exe: exe(model.weights, batch)
 
 
-def _speculative(target: Model, draft: Model, num_draft: int, batch: Batch, max_out: int, greedy_only: bool):
+def _speculative(
+    target: Model, draft: Model, num_draft: int, batch: Batch, max_out: int, greedy_only: bool, attention: str
+):
     # Slack for the K + 1 verify slots written past the committed length.
-    capacity = batch.tokens.shape[1] + max_out + num_draft + 1
+    capacity = cache_capacity(batch.tokens.shape[1], max_out, num_draft + 1)
     key = ("spec", target.config, draft.config, target.dtype, draft.dtype, batch.tokens.shape,
-           capacity, max_out, num_draft, greedy_only)
+           capacity, max_out, num_draft, greedy_only, attention)
     return _executable(key, lambda: speculative_decode.lower(
         target.weights, draft.weights, batch, target_config=target.config, draft_config=draft.config,
         capacity=capacity, max_out=max_out, num_draft=num_draft, greedy_only=greedy_only,
+        attention=attention,
     )), lambda exe: exe(target.weights, draft.weights, batch)
 
 
@@ -97,7 +106,7 @@ def _stats(request: Request, out, row: int, num_draft: int) -> RequestStats:
 
 def run(
     target: Model, requests: list[Request], max_batch_size: int,
-    draft: Model | None = None, num_draft: int = 0,
+    draft: Model | None = None, num_draft: int = 0, attention: str = "xla",
 ) -> Completions:
     """Decodes all requests (speculatively when a draft is given) and returns them in order."""
     start = time.perf_counter()
@@ -111,9 +120,9 @@ def run(
         batch = make_batch(reqs, bucket(len(reqs), 1), prompt_len, target.config.pad_token_id)
         greedy_only = all(r.sampling.greedy for r in reqs)
         if draft is None:
-            (exe, spent), call = _plain(target, batch, max_out, greedy_only)
+            (exe, spent), call = _plain(target, batch, max_out, greedy_only, attention)
         else:
-            (exe, spent), call = _speculative(target, draft, num_draft, batch, max_out, greedy_only)
+            (exe, spent), call = _speculative(target, draft, num_draft, batch, max_out, greedy_only, attention)
         compile_s += spent
         graphs += spent > 0
         t0 = time.perf_counter()

@@ -97,7 +97,7 @@ def _target_distribution(logits: jnp.ndarray, sampling: SamplingParams) -> jnp.n
 
 @functools.partial(
     jax.jit,
-    static_argnames=("target_config", "draft_config", "capacity", "max_out", "num_draft", "greedy_only"),
+    static_argnames=("target_config", "draft_config", "capacity", "max_out", "num_draft", "greedy_only", "attention"),
 )
 def speculative_decode(
     target_weights: Weights,
@@ -110,6 +110,7 @@ def speculative_decode(
     max_out: int,
     num_draft: int,
     greedy_only: bool,
+    attention: str = "xla",
 ) -> SpecOutput:
     K = num_draft
     eos_ids = target_config.eos_token_ids
@@ -152,7 +153,7 @@ def speculative_decode(
         )
         verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
         t_cache = s.target_cache.replace(lengths=n - 1)
-        logits, t_cache = forward(target_weights, target_config, verify_tokens, t_cache)
+        logits, t_cache = forward(target_weights, target_config, verify_tokens, t_cache, attention=attention)
         if greedy_only:
             accepted, next_token = accept_greedy(drafts, logits)
         else:

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
+BLOCK_K = 64  # prefix keys per inner step; callers size caches to a multiple of it
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -57,13 +58,14 @@ def _kernel(
 
     def attend(keys, values, valid, carry):
         acc, m, l = carry
-        s = pl.dot(q, keys, trans_b=True).astype(jnp.float32) * scale  # [R, K]
+        s = pl.dot(q, keys, trans_b=True, allow_tf32=False).astype(jnp.float32) * scale  # [R, K]
         s = jnp.where(valid, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + pl.dot(p.astype(values.dtype), values).astype(jnp.float32)
+        pv = pl.dot(p.astype(values.dtype), values, allow_tf32=False).astype(jnp.float32)
+        acc = acc * correction[:, None] + pv
         return acc, m_new, l
 
     def prefix_block(i, carry):
@@ -107,7 +109,7 @@ def _choose_splits(programs: int, prefix_blocks: int, target_programs: int) -> i
 )
 def tree_attention(
     q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask, *,
-    block_k: int = 64, block_rows: int = 64, num_splits: int | None = None,
+    block_k: int = BLOCK_K, block_rows: int = 64, num_splits: int | None = None,
     num_warps: int = 4, num_stages: int = 2, interpret: bool = False, target_programs: int = 512,
 ):
     """Tree attention; see the module docstring for shapes. The cache length s must be a

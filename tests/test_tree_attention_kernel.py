@@ -86,3 +86,29 @@ def test_kernel_lowers_ahead_of_time(platform, device_kind, d):
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "tree_attention" in text
+
+
+def test_engine_with_the_kernel_matches_the_xla_path(tmp_path):
+    """Decoding and speculative verification through the fused kernel (interpret mode on the
+    CPU) give the same greedy tokens as the XLA attention path."""
+    import jaxspec
+    from tiny_models import TINY, save_tiny
+
+    kind, overrides = TINY["llama_gqa"]
+    target = jaxspec.load(save_tiny(tmp_path / "t", kind, overrides, seed=1), dtype="float32")
+    draft = jaxspec.load(save_tiny(tmp_path / "d", kind, {**overrides, "num_hidden_layers": 1}, seed=2),
+                         dtype="float32")
+    prompts = [[5, 9, 33, 7], list(range(3, 40))]
+    for d in (None, target, draft):
+        xla = jaxspec.generate(prompts, target, d, max_new_tokens=12, num_draft_tokens=3, attention="xla")
+        fused = jaxspec.generate(prompts, target, d, max_new_tokens=12, num_draft_tokens=3, attention="pallas")
+        assert [o.token_ids for o in fused] == [o.token_ids for o in xla]
+
+
+def test_unknown_attention_is_refused():
+    import jaxspec
+    from jaxspec.defaults import CHECKPOINTS
+
+    model = jaxspec.load(CHECKPOINTS / "hf" / "code-draft-4m", dtype="float32")
+    with pytest.raises(jaxspec.InputError, match="attention must be one of auto, xla, pallas"):
+        jaxspec.generate(["x"], model, attention="flash")
