@@ -11,6 +11,7 @@ import jax
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
 from jaxspec.model import ATTENTION_IMPLS
+from jaxspec.trees import chain, resolve_tree
 from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_token_ids, encode_prompt, seeds_for,
 )
@@ -84,6 +85,7 @@ def generate(
     max_batch_size: int = 32,
     warn_below_acceptance: float = 0.6,
     attention: str = "auto",
+    tree=None,
 ) -> Completions:
     """Generates a completion for each prompt with the target model, speculatively when a draft
     model is given (K = num_draft_tokens drafts verified per target pass), plainly otherwise.
@@ -93,6 +95,8 @@ def generate(
     prompts: strings (tokenized with the target's tokenizer) or lists of token ids.
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. seed: one int for all
     prompts (each prompt still draws from its own stream) or one int per prompt.
+    tree: a static draft tree instead of a chain: a parents array (node 0 = the last committed
+    token, parent -1; see jaxspec.trees) or a name from jaxspec.trees.NAMED_TREES.
     attention: "xla", "pallas" (the fused Pallas kernel for decode/verify steps; GPU, or CPU in
     interpret mode for tests) or "auto" (pallas on GPUs, xla on the CPU).
     Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
@@ -100,10 +104,11 @@ def generate(
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InputError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
-    num_draft = check_draft(target, draft, num_draft_tokens) if draft is not None else 0
+    if draft is not None:
+        check_draft(target, draft, num_draft_tokens)
+        tree = chain(num_draft_tokens) if tree is None else resolve_tree(tree)
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
-    outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft,
-               attention=resolve_attention(attention))
+    outs = run(target, requests, max_batch_size, draft=draft, tree=tree, attention=resolve_attention(attention))
     rate = outs.metrics.acceptance_rate
     if rate is not None and rate < warn_below_acceptance:
         log.warning(

@@ -15,6 +15,7 @@ from jaxspec.requests import Request
 from jaxspec.sampling import SamplingParams
 from jaxspec.speculative import speculative_decode
 from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
+from jaxspec.trees import Tree, chain
 from pallas_kernels.tree_attention import BLOCK_K
 
 MIN_BUCKET = 16
@@ -73,42 +74,43 @@ def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attentio
     )), lambda exe: exe(model.weights, batch)
 
 
-def _speculative(
-    target: Model, draft: Model, num_draft: int, batch: Batch, max_out: int, greedy_only: bool, attention: str
-):
-    # Slack for the K + 1 verify slots written past the committed length.
-    capacity = cache_capacity(batch.tokens.shape[1], max_out, num_draft + 1)
+def _speculative(target: Model, draft: Model, tree: Tree, batch: Batch, max_out: int, greedy_only: bool, attention: str):
+    # Slack for the tree's nodes written past the committed length.
+    capacity = cache_capacity(batch.tokens.shape[1], max_out, len(tree) + 1)
     key = ("spec", target.config, draft.config, target.dtype, draft.dtype, batch.tokens.shape,
-           capacity, max_out, num_draft, greedy_only, attention)
+           capacity, max_out, tree, greedy_only, attention)
     return _executable(key, lambda: speculative_decode.lower(
         target.weights, draft.weights, batch, target_config=target.config, draft_config=draft.config,
-        capacity=capacity, max_out=max_out, num_draft=num_draft, greedy_only=greedy_only,
-        attention=attention,
+        capacity=capacity, max_out=max_out, tree=tree, greedy_only=greedy_only, attention=attention,
     )), lambda exe: exe(target.weights, draft.weights, batch)
 
 
-def _stats(request: Request, out, row: int, num_draft: int) -> RequestStats:
+def _stats(request: Request, out, row: int, speculative: bool) -> RequestStats:
     n = int(out.num_generated[row])
-    if num_draft == 0:
+    if not speculative:
         return RequestStats(prompt_tokens=len(request.token_ids), new_tokens=n, target_steps=n)
     rounds = int(out.rounds[row])
     per_position = tuple(int(a) for a in out.accepted_per_position[row])
+    depth = len(per_position)  # chain: K; tree: its depth (one path position per level)
     return RequestStats(
         prompt_tokens=len(request.token_ids),
         new_tokens=n,
         target_steps=rounds + 1,  # the prefill produced the first token
-        drafted=rounds * num_draft,
+        drafted=rounds * depth,
         accepted=sum(per_position),
         accepted_per_position=per_position,
-        drafted_per_position=(rounds,) * num_draft,
+        drafted_per_position=(rounds,) * depth,
     )
 
 
 def run(
     target: Model, requests: list[Request], max_batch_size: int,
-    draft: Model | None = None, num_draft: int = 0, attention: str = "xla",
+    draft: Model | None = None, num_draft: int = 0, tree: Tree | None = None, attention: str = "xla",
 ) -> Completions:
-    """Decodes all requests (speculatively when a draft is given) and returns them in order."""
+    """Decodes all requests in order; speculatively when a draft is given, over `tree` or else a
+    chain of num_draft tokens."""
+    if draft is not None and tree is None:
+        tree = chain(num_draft)
     start = time.perf_counter()
     results: list[Completion | None] = [None] * len(requests)
     compile_s = decode_s = 0.0
@@ -122,7 +124,7 @@ def run(
         if draft is None:
             (exe, spent), call = _plain(target, batch, max_out, greedy_only, attention)
         else:
-            (exe, spent), call = _speculative(target, draft, num_draft, batch, max_out, greedy_only, attention)
+            (exe, spent), call = _speculative(target, draft, tree, batch, max_out, greedy_only, attention)
         compile_s += spent
         graphs += spent > 0
         t0 = time.perf_counter()
@@ -132,7 +134,7 @@ def run(
             n = int(out.num_generated[row])
             ids = out.tokens[row, :n].tolist()
             text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
-            stats = _stats(reqs[row], out, row, num_draft if draft is not None else 0)
+            stats = _stats(reqs[row], out, row, draft is not None)
             results[i] = Completion(text, ids, FINISH_REASONS[int(out.finish[row])], stats)
     metrics = CallMetrics(
         requests=len(requests),

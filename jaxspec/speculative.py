@@ -24,6 +24,8 @@ from jaxspec.config import ModelConfig
 from jaxspec.decode import FINISH_LENGTH, FINISH_PADDING, RUNNING, Batch, commit_tokens, prefill
 from jaxspec.model import Weights, forward
 from jaxspec.sampling import SamplingParams, filtered_logits, row_keys, sample_tokens
+from jaxspec.tree_speculative import TreePlan, _path_to, accept_tree_greedy, accept_tree_sampling, draft_tree, move_path
+from jaxspec.trees import Tree, ancestor_mask, chain
 
 
 @struct.dataclass
@@ -95,9 +97,59 @@ def _target_distribution(logits: jnp.ndarray, sampling: SamplingParams) -> jnp.n
     return jnp.where((sampling.temperature == 0)[:, None, None], one_hot, p)
 
 
+def _chain_round(target_weights, draft_weights, target_config, draft_config, batch, s, n, K, greedy_only, attention):
+    """One draft-chain round; -> (accepted [b], emitted [b, K+1], target cache, draft cache)."""
+    keys = jax.vmap(lambda k: jax.random.split(k, 2 * K + 1))(row_keys(batch.seeds, s.num_generated))
+    drafts, q, d_cache = draft_chain(
+        draft_weights, draft_config, s.draft_cache, n, s.prev_token, s.last_token,
+        batch.sampling, keys[:, :K], greedy_only,
+    )
+    verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
+    t_cache = s.target_cache.replace(lengths=n - 1)
+    logits, t_cache = forward(target_weights, target_config, verify_tokens, t_cache, attention=attention)
+    if greedy_only:
+        accepted, next_token = accept_greedy(drafts, logits)
+    else:
+        uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, K : 2 * K])
+        p = _target_distribution(logits, batch.sampling)
+        accepted, next_token = accept_sampling(drafts, q, p, uniforms, keys[:, 2 * K])
+    j = jnp.arange(K + 1)[None, :]
+    emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
+    return accepted, emitted, t_cache, d_cache
+
+
+def _tree_round(target_weights, draft_weights, target_config, draft_config, batch, s, n, plan, greedy_only, attention):
+    """One draft-tree round; -> (accepted depth [b], emitted [b, D+1], target cache, draft cache)."""
+    t, b = plan.size, n.shape[0]
+    keys = jax.vmap(lambda k: jax.random.split(k, 2 * t + 1))(row_keys(batch.seeds, s.num_generated))
+    tokens, q, d_cache = draft_tree(
+        draft_weights, draft_config, s.draft_cache, n, s.prev_token, s.last_token, plan,
+        batch.sampling, keys[:, :t], greedy_only,
+    )
+    positions = (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]
+    t_cache = s.target_cache.replace(lengths=n - 1)
+    logits, t_cache = forward(
+        target_weights, target_config, tokens, t_cache, positions,
+        jnp.asarray(ancestor_mask(plan.parents)), attention=attention,
+    )
+    accepted, next_token, best = accept_tree_greedy(plan, tokens, logits)
+    if not greedy_only:
+        uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, t : 2 * t])
+        p = _target_distribution(logits, batch.sampling)
+        sampled = accept_tree_sampling(plan, tokens, q, p, uniforms, keys[:, 2 * t])
+        greedy_row = batch.sampling.temperature == 0
+        accepted, next_token, best = (jnp.where(greedy_row, g, x) for g, x in zip((accepted, next_token, best), sampled))
+    path = _path_to(plan, best)  # [b, D+1]
+    path_tokens = jnp.take_along_axis(tokens, path, axis=1)
+    j = jnp.arange(plan.max_depth + 1)[None, :]
+    emitted = jnp.where(j < accepted[:, None], jnp.pad(path_tokens[:, 1:], ((0, 0), (0, 1))), next_token[:, None])
+    base = n - 1
+    return accepted, emitted, move_path(t_cache, base, path), move_path(d_cache, base, path)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("target_config", "draft_config", "capacity", "max_out", "num_draft", "greedy_only", "attention"),
+    static_argnames=("target_config", "draft_config", "capacity", "max_out", "tree", "greedy_only", "attention"),
 )
 def speculative_decode(
     target_weights: Weights,
@@ -108,11 +160,15 @@ def speculative_decode(
     draft_config: ModelConfig,
     capacity: int,
     max_out: int,
-    num_draft: int,
+    tree: Tree,
     greedy_only: bool,
     attention: str = "xla",
 ) -> SpecOutput:
-    K = num_draft
+    """Prefill both models, then draft -> verify -> accept -> commit rounds in one while_loop.
+    tree: static parents array; a chain (-1, 0, .., K-1) drafts K tokens with single-token steps."""
+    plan = TreePlan.of(tree)
+    is_chain = tree == chain(plan.size - 1)
+    D = plan.max_depth
     eos_ids = target_config.eos_token_ids
     b = batch.tokens.shape[0]
     logits, t_cache = prefill(target_weights, target_config, batch, capacity, target_weights.embed.dtype)
@@ -127,7 +183,7 @@ def speculative_decode(
         num_generated=zeros,
         finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
         rounds=zeros,
-        accepted_per_position=jnp.zeros((b, K), jnp.int32),
+        accepted_per_position=jnp.zeros((b, D), jnp.int32),
     )
     # The first token comes from the target's prefill, exactly as in plain decoding.
     first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
@@ -139,29 +195,18 @@ def speculative_decode(
 
     def cond(s: SpecState):
         running = s.finish == RUNNING
-        fits = jnp.all(jnp.where(running, committed(s) + K <= capacity, True))
+        # A round writes the tree's t nodes at slots n - 1 .. n + t - 2.
+        fits = jnp.all(jnp.where(running, committed(s) + plan.size - 1 <= capacity, True))
         return jnp.any(running) & fits
 
     def body(s: SpecState):
         running = s.finish == RUNNING
         n = committed(s)
-        # Each round's randomness depends only on the row's seed and its progress.
-        keys = jax.vmap(lambda k: jax.random.split(k, 2 * K + 1))(row_keys(batch.seeds, s.num_generated))
-        drafts, q, d_cache = draft_chain(
-            draft_weights, draft_config, s.draft_cache, n, s.prev_token, s.last_token,
-            batch.sampling, keys[:, :K], greedy_only,
-        )
-        verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
-        t_cache = s.target_cache.replace(lengths=n - 1)
-        logits, t_cache = forward(target_weights, target_config, verify_tokens, t_cache, attention=attention)
-        if greedy_only:
-            accepted, next_token = accept_greedy(drafts, logits)
+        args = (target_weights, draft_weights, target_config, draft_config, batch, s, n)
+        if is_chain:
+            accepted, emitted, t_cache, d_cache = _chain_round(*args, D, greedy_only, attention)
         else:
-            uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, K : 2 * K])
-            p = _target_distribution(logits, batch.sampling)
-            accepted, next_token = accept_sampling(drafts, q, p, uniforms, keys[:, 2 * K])
-        j = jnp.arange(K + 1)[None, :]
-        emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
+            accepted, emitted, t_cache, d_cache = _tree_round(*args, plan, greedy_only, attention)
         s2, kept = commit_tokens(s, emitted, accepted + 1, batch, eos_ids)
         # The last two committed tokens seed the next round's draft.
         all_tokens = jnp.concatenate([s.last_token[:, None], emitted], axis=1)
@@ -175,7 +220,7 @@ def speculative_decode(
             last_token=last,
             rounds=s.rounds + running,
             accepted_per_position=s.accepted_per_position
-            + (running[:, None] & (jnp.arange(K)[None, :] < accepted[:, None])),
+            + (running[:, None] & (jnp.arange(D)[None, :] < accepted[:, None])),
         )
 
     state = jax.lax.while_loop(cond, body, state)

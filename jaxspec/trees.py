@@ -85,3 +85,25 @@ def ancestor_mask(parents: Tree) -> np.ndarray:
     for i, p in enumerate(parents[1:], 1):
         mask[i] |= mask[p]
     return mask
+
+
+MAX_TREE_NODES = 64  # verify chunks beyond this stop paying and leave the fused kernel's range
+
+NAMED_TREES = {
+    "chain-3": chain(3),
+    "chain-7": chain(7),
+    "binary-3": balanced_tree(2, 3),  # 15 nodes
+    "sparse": tree_from_choices(SPARSE_CHOICES),  # 13 nodes
+}
+
+
+def resolve_tree(tree) -> Tree:
+    """A name from NAMED_TREES or a parents array -> a validated parents tuple."""
+    if isinstance(tree, str):
+        if tree not in NAMED_TREES:
+            raise InputError(f"tree {tree!r} is unknown; named trees: {', '.join(NAMED_TREES)}")
+        return NAMED_TREES[tree]
+    parents = check_tree(tree)
+    if not 2 <= len(parents) <= MAX_TREE_NODES:
+        raise InputError(f"tree must have 2 to {MAX_TREE_NODES} nodes (root included); got {len(parents)}")
+    return parents

@@ -45,6 +45,14 @@ def _pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _dot(a, b, contract_b: int):
+    """a [M, K] . b (contracting b's axis `contract_b`) -> float32. HIGHEST precision: IEEE
+    float32 for f32 inputs (Triton would use tf32), plain bf16 x bf16 -> f32 otherwise.
+    (pl.dot is gone from JAX 0.12; lax.dot_general lowers on every supported version.)"""
+    dims = (((1,), (contract_b,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 def _kernel(
     lengths_ref, q_ref, k_ref, v_ref, tk_ref, tv_ref, mask_ref,  # inputs
     o_ref, l_ref, m_ref,  # outputs: partial accumulators of this split
@@ -58,13 +66,13 @@ def _kernel(
 
     def attend(keys, values, valid, carry):
         acc, m, l = carry
-        s = pl.dot(q, keys, trans_b=True, allow_tf32=False).astype(jnp.float32) * scale  # [R, K]
+        s = _dot(q, keys, contract_b=1) * scale  # [R, K]
         s = jnp.where(valid, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         correction = jnp.exp(m - m_new)
         l = l * correction + jnp.sum(p, axis=1)
-        pv = pl.dot(p.astype(values.dtype), values, allow_tf32=False).astype(jnp.float32)
+        pv = _dot(p.astype(values.dtype), values, contract_b=0)
         acc = acc * correction[:, None] + pv
         return acc, m_new, l
 

@@ -134,6 +134,8 @@ def main() -> None:
                 continue
             if best is None or sec < best[0]:
                 best = (sec, cfg, err)
+        if best is None:
+            raise SystemExit(f"every kernel config failed for batch {b}, prefix {s}, nodes {t}")
         xla = timed_loop(jax.jit(xla_tree_attention), sets, iters)
         ksec, kcfg, kerr = best
         row = dict(batch=b, prefix=s, nodes=t, floor_us=floor * 1e6, kernel_us=ksec * 1e6, config=kcfg,

@@ -9,6 +9,7 @@ import jaxspec
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.humaneval import load_prompts
 from jaxspec.speculative import speculative_decode
+from jaxspec.trees import chain
 from tiny_models import TINY, save_tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -130,7 +131,7 @@ def test_one_compiled_loop_and_no_host_round_trips(pair, prompts):
     jaxpr = jax.make_jaxpr(
         lambda t, d, b: speculative_decode(
             t, d, b, target_config=target.config, draft_config=draft.config, capacity=32,
-            max_out=16, num_draft=4, greedy_only=False,
+            max_out=16, tree=chain(4), greedy_only=False,
         )
     )(target.weights, draft.weights, batch)
     inner = jaxpr.eqns[0].params["jaxpr"].jaxpr  # the jit

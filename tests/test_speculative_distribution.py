@@ -64,9 +64,9 @@ def exact_joint(target, s: SamplingSettings) -> np.ndarray:
     return joint / joint.sum()
 
 
-def sampled_joint(target, draft, s: SamplingSettings) -> np.ndarray:
+def sampled_joint(target, draft, s: SamplingSettings, tree=None) -> np.ndarray:
     reqs = [Request(PROMPT, 3, s, seed) for seed in range(N)]
-    outs = runner.run(target, reqs, max_batch_size=8192, draft=draft, num_draft=2)
+    outs = runner.run(target, reqs, max_batch_size=8192, draft=draft, num_draft=2, tree=tree)
     counts = np.zeros((VOCAB, VOCAB))
     for o in outs:
         assert len(o.token_ids) == 3
