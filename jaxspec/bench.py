@@ -36,6 +36,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="comma-separated (default 1,8)")
     p.add_argument("--k", type=_ints, default=[2, 3, 4], help="draft lengths K to try (default 2,3,4)")
+    p.add_argument("--trees", default="", help="comma-separated named draft trees to try too (e.g. binary-3,sparse)")
+    p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
+                   help="attention path for decode/verify (auto: pallas on GPU, xla on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row; the best is kept")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="jaxspec compute dtype (default: f32 CPU, bf16 GPU)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
@@ -63,14 +66,16 @@ def _groups(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats: int) -> dict:
+def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats: int, tree=None,
+                  attention="auto") -> dict:
     import jaxspec
 
     def one_pass():
         outs, seconds = [], 0.0
         for group in _groups(ids, batch):
             res = jaxspec.generate(group, target, draft, max_new_tokens=max_new, num_draft_tokens=k or 1,
-                                   max_batch_size=batch, warn_below_acceptance=0.0)
+                                   max_batch_size=batch, warn_below_acceptance=0.0, tree=tree,
+                                   attention=attention)
             outs += res
             seconds += res.metrics.decode_s
         return outs, seconds
@@ -82,7 +87,8 @@ def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats:
     new = sum(o.stats.new_tokens for o in outs)
     drafted = sum(o.stats.drafted for o in outs)
     row = {
-        "engine": "jaxspec", "method": f"spec K={k}" if draft is not None else "plain", "batch": batch,
+        "engine": "jaxspec", "batch": batch,
+        "method": ("plain" if draft is None else f"tree {tree}" if tree else f"spec K={k}"),
         "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds,
         "tokens_per_step": new / sum(o.stats.target_steps for o in outs),
         "acceptance_rate": sum(o.stats.accepted for o in outs) / drafted if drafted else None,
@@ -175,12 +181,15 @@ def run_bench(args) -> int:
         hf_draft = load_hf(draft_path, args.hf_device, args.hf_dtype, args.threads)
     rows = []
     for batch in args.batch_sizes:
-        plain_row, plain_ids = bench_jaxspec(ids, target, None, 0, batch, args.max_new_tokens, args.repeats)
+        run = lambda d, k, tree=None: bench_jaxspec(  # noqa: E731
+            ids, target, d, k, batch, args.max_new_tokens, args.repeats, tree, args.attention)
+        plain_row, plain_ids = run(None, 0)
         plain_row["same_as_plain"] = len(ids)
         rows.append(plain_row)
         print(_fmt(plain_row), flush=True)
-        for k in args.k:
-            row, out = bench_jaxspec(ids, target, draft, k, batch, args.max_new_tokens, args.repeats)
+        variants = [(k, None) for k in args.k] + [(1, t) for t in args.trees.split(",") if t]
+        for k, tree in variants:
+            row, out = run(draft, k, tree)
             row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
             row["speedup_vs_plain"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
             rows.append(row)
@@ -205,7 +214,7 @@ def run_bench(args) -> int:
 def _fmt(r: dict) -> str:
     tps = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-"
     acc = f"{r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else "-"
-    return (f"{r['engine']:8s} {r['method']:10s} batch {r['batch']:3d}  {r['new_tokens']:6d} tokens "
+    return (f"{r['engine']:8s} {r['method']:14s} batch {r['batch']:3d}  {r['new_tokens']:6d} tokens "
             f"{r['seconds']:8.3f} s {r['tokens_per_s']:9.1f} tok/s  tok/step {tps:>5s}  acc {acc:>5s}  "
             f"same-as-plain {r['same_as_plain']}")
 
