@@ -65,28 +65,23 @@ def timed_loop(op, sets, iters: int) -> float:
 
         return run
 
-    def median_time(fn):
-        jax.block_until_ready(fn(sets))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(sets))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    return (median_seconds(make(True), sets) - median_seconds(make(False), sets)) / (iters * len(sets))
 
-    return (median_time(make(True)) - median_time(make(False))) / (iters * len(sets))
+
+def median_seconds(fn, *args, runs: int = 5) -> float:
+    """Median wall time of fn(*args) after one warm-up call, waiting for the device each time."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:
     x = jnp.ones((1 << 31,), jnp.bfloat16)  # 4 GiB
-    f = jax.jit(lambda a: a * 1)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.nbytes / statistics.median(times)
+    return 2 * x.nbytes / median_seconds(jax.jit(lambda a: a * 1), x)
 
 
 def main() -> None:

@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.defaults import CHECKPOINTS
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def target():
-    return jaxspec.load(CHECKPOINTS / "hf" / "code-target-16m", dtype="float32")
+def target(real_pair):
+    return real_pair[0]
 
 
 class CompileCounter:

@@ -6,8 +6,6 @@ import jax
 import pytest
 
 import jaxspec
-from jaxspec.defaults import CHECKPOINTS
-from jaxspec.humaneval import load_prompts
 from jaxspec.speculative import speculative_decode
 from jaxspec.trees import chain
 from tiny_models import TINY, save_tiny
@@ -17,15 +15,13 @@ MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
-def pair():
-    target = jaxspec.load(CHECKPOINTS / "hf" / "code-target-16m", dtype="float32")
-    draft = jaxspec.load(CHECKPOINTS / "hf" / "code-draft-4m", dtype="float32")
-    return target, draft
+def pair(real_pair):
+    return real_pair
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return load_prompts(limit=20)
+def prompts(humaneval20):
+    return humaneval20
 
 
 @pytest.fixture(scope="module")

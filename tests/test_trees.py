@@ -4,8 +4,6 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.defaults import CHECKPOINTS
-from jaxspec.humaneval import load_prompts
 from jaxspec.trees import (
     NAMED_TREES, ancestor_mask, balanced_tree, chain, depths, resolve_tree, tree_from_choices,
 )
@@ -49,15 +47,8 @@ def test_choice_paths_need_their_parents():
 
 
 @pytest.fixture(scope="module")
-def real_pair():
-    target = jaxspec.load(CHECKPOINTS / "hf" / "code-target-16m", dtype="float32")
-    draft = jaxspec.load(CHECKPOINTS / "hf" / "code-draft-4m", dtype="float32")
-    return target, draft
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return load_prompts(limit=20)
+def prompts(humaneval20):
+    return humaneval20
 
 
 @pytest.fixture(scope="module")
