@@ -87,6 +87,7 @@ def copy_bandwidth() -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a few shapes only")
+    p.add_argument("--shapes", help="comma-separated BATCHxPREFIXxNODES to run instead of the default grid")
     p.add_argument("--json", help="write all results here")
     args = p.parse_args()
 
@@ -97,6 +98,8 @@ def main() -> None:
     shapes += [(4, 2048, 16), (16, 2048, 16), (16, 2048, 64), (16, 8192, 16), (16, 8192, 64)]
     if args.quick:
         shapes = [(1, 2048, 16), (16, 2048, 16)]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
     configs = [dict(num_warps=w, target_programs=tp) for w in (4, 8) for tp in (264, 1056)]
     rng = np.random.default_rng(0)
     rows = []
@@ -138,9 +141,9 @@ def main() -> None:
         cfg_txt = f"warps {kcfg['num_warps']}, ~{kcfg['target_programs']} programs"
         print(f"| {b} | {s} | {t} | {floor * 1e6:.1f} | {ksec * 1e6:.1f} | {cfg_txt} | {xla * 1e6:.1f} | "
               f"{ksec / floor:.2f} | {xla / ksec:.2f} | {kerr:.1e} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bandwidth_Bps": bw, "rows": rows}, f, indent=2)
+        if args.json:  # after every row, so a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"bandwidth_Bps": bw, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
