@@ -1,13 +1,14 @@
-"""The `jaxspec` command line: convert, generate."""
+"""The `jaxspec` command line: convert, generate, batch, bench."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
-from jaxspec.defaults import CHECKPOINTS, DEFAULT_TARGET, embedded_model
+from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
 from jaxspec.errors import JaxspecError
 
 
@@ -51,16 +52,21 @@ def run_generate(args) -> int:
     if not prompts:
         raise JaxspecError("give at least one prompt: PROMPT arguments or --file")
     target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype)
+    draft = jaxspec.load(args.draft, dtype=args.dtype) if args.draft else None
     outs = jaxspec.generate(
-        prompts, target, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        prompts, target, draft, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens,
     )
     for prompt, out in zip(prompts, outs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason, "stats": out.stats.as_dict()}))
         else:
-            print(f"=== prompt\n{prompt}\n=== completion ({out.finish_reason}, {out.stats.new_tokens} tokens)")
+            s = out.stats
+            acc = "" if s.acceptance_rate is None else (
+                f", acceptance {s.acceptance_rate:.2f}, {s.tokens_per_step:.2f} tokens/target step"
+            )
+            print(f"=== prompt\n{prompt}\n=== completion ({out.finish_reason}, {s.new_tokens} tokens{acc})")
             print(out.text)
     m = outs.metrics
     print(
@@ -68,6 +74,110 @@ def run_generate(args) -> int:
         f"(decode {m.decode_s:.2f} s, compile {m.compile_s:.2f} s, {m.graphs_compiled} graph(s))",
         file=sys.stderr,
     )
+    return 0
+
+
+BATCH_DESCRIPTION = """\
+Runs every record of IN.jsonl and appends one JSON line per record to OUT.jsonl.
+
+Input, one JSON object per line: "id" (string or integer, unique), "prompt" (text) or
+"messages" (a chat, rendered with the tokenizer's chat template), and optionally
+"max_new_tokens", "temperature", "top_k", "top_p", "seed" (override the options below) and
+"prompt_version" (reported separately). Output lines carry "id", "line", "text", "token_ids",
+"finish_reason", "method", "stats" (acceptance statistics), or "error" for a record that could
+not be served; a line without a readable id gets the id "line:N". Rerunning the same command
+after a crash resumes: ids already in OUT.jsonl are skipped. Writes OUT.summary.json, OUT.png
+and OUT.metrics.jsonl beside the output and prints the summary.
+"""
+
+
+def _sample(text: str):
+    """--auto-sample: a fraction with a decimal point (0.1) or a record count (16)."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.1 or a count like 16, got {text!r}") from None
+
+
+def add_batch_args(p: argparse.ArgumentParser) -> None:
+    from jaxspec.bench import _ints
+
+    p.add_argument("input", metavar="IN.jsonl", help="input records, one JSON object per line")
+    p.add_argument("output", metavar="OUT.jsonl", help="output records (appended to; a rerun resumes)")
+    p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
+    p.add_argument("--draft", help="draft model folder (default: the embedded code-draft-4m)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
+    p.add_argument("--batch-size", type=int, default=8, help="records per device batch and per output chunk (default 8)")
+    add_sampling_args(p)
+    p.add_argument("--auto", action="store_true",
+                   help="canary: time plain and speculative decoding (each --auto-k) on a sample of the job, "
+                        "check greedy outputs agree, and run the rest with the fastest")
+    p.add_argument("--auto-sample", type=_sample, default=0.05,
+                   help="canary sample: a fraction (default 0.05, at least 8 records and 2 batches) or a "
+                        "count (16) of the records, rounded up to whole batches")
+    p.add_argument("--auto-k", type=_ints, default=[2, 3, 4], help="draft lengths K the canary tries (default 2,3,4)")
+    p.add_argument("--auto-repeats", type=int, default=2, help="timed passes per canary candidate, best kept (default 2)")
+    p.add_argument("--auto-min-speedup", type=float, default=1.05,
+                   help="speculation is chosen only when at least this much faster than plain (default 1.05)")
+    p.add_argument("--warn-below-acceptance", type=float, default=0.6,
+                   help="warn when the running acceptance rate falls below this (default 0.6)")
+    p.add_argument("--metrics-log", help="JSON-lines metrics log, appended to (default: OUT.metrics.jsonl)")
+    p.add_argument("--no-metrics-log", action="store_true", help="write no metrics log")
+    p.add_argument("--summary", help="summary JSON path (default: OUT.summary.json)")
+    p.add_argument("--plot", help="summary plot PNG path (default: OUT.png)")
+    p.add_argument("--no-plot", action="store_true", help="draw no plot")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@contextlib.contextmanager
+def _jaxspec_logging():
+    """Shows the jaxspec logger's INFO lines (the canary's decision) and warnings on stderr once,
+    above the progress bar rather than through it; restores the logger afterwards."""
+    import logging
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    logger = logging.getLogger("jaxspec")
+    saved = logger.level, logger.propagate
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("jaxspec %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False  # libraries may give the root logger a handler: print once
+    logger.setLevel(logging.INFO)
+    try:
+        with logging_redirect_tqdm(loggers=[logger]):
+            yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def run_batch(args) -> int:
+    import jaxspec
+    from jaxspec.batch import check_unique, read_input, run_job
+    from jaxspec.report import format_summary
+
+    if args.no_draft and (args.draft or args.auto):
+        raise JaxspecError("--no-draft cannot be combined with --draft or --auto")
+    if not Path(args.input).is_file():
+        raise JaxspecError(f"input file {args.input} does not exist")
+    check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
+    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype)
+    draft = None if args.no_draft else jaxspec.load(args.draft or embedded_model(DEFAULT_DRAFT), dtype=args.dtype)
+    with _jaxspec_logging():
+        summary = run_job(
+            args.input, args.output, target, draft, num_draft_tokens=args.num_draft_tokens,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, auto=args.auto,
+            auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k), auto_repeats=args.auto_repeats,
+            auto_min_speedup=args.auto_min_speedup,
+            metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
+            summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
+            warn_below_acceptance=args.warn_below_acceptance, progress=not args.no_progress,
+        )
+    print(format_summary(summary))
     return 0
 
 
@@ -84,8 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="JSONL file with a \"prompt\" field per line, appended to PROMPTs")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    p.add_argument("--draft", help="draft model folder: decode speculatively with it (default: plain decoding)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
     add_sampling_args(p)
     p.set_defaults(func=run_generate)
+
+    p = sub.add_parser(
+        "batch", help="run a JSONL file of prompts as an offline batch job (resumable)",
+        description=BATCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_batch_args(p)
+    p.set_defaults(func=run_batch)
 
     from jaxspec.bench import add_bench_args, run_bench
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec import runner
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -34,7 +35,10 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
-def test_prompts_in_one_bucket_compile_nothing_new(target):
+def test_prompts_in_one_bucket_compile_nothing_new(target, monkeypatch):
+    # Start from no compiled graphs, whatever other tests compiled before.
+    monkeypatch.setattr(runner, "_compiled", {})
+    jax.clear_caches()
     ids = target.tokenizer.encode("def fibonacci(n):\n    ")
     jaxspec.generate([ids + [10] * 11, ids], target, max_new_tokens=20)  # <= 32 tokens, batch 2
     with CompileCounter() as counter:

@@ -1,0 +1,609 @@
+"""Offline batch jobs: `run_job(IN.jsonl, OUT.jsonl, target, draft)`, behind `jaxspec batch`.
+
+Input: one JSON object per line: "id" (a non-empty string or an integer), "prompt" (text, or a
+list of token ids) or "messages" (a chat rendered with the tokenizer's chat template), and
+optionally "max_new_tokens", "temperature", "top_k", "top_p", "seed" (overriding the job's
+defaults) and "prompt_version" (a string, reported separately in the summary). Other fields are
+ignored. Blank lines are skipped.
+
+Output: one JSON line per input record, in completion order (records are grouped by shape for
+throughput; each line names its "id" and input "line"): "text", "token_ids", "finish_reason",
+"method" and "stats" (the record's acceptance statistics), or "error" for a record that could
+not be served. A line that is not a readable record with an id gets the id "line:N" (N = its
+1-based line number in the input).
+
+Crash safety: each completed chunk (one device batch) is appended in one write, flushed and
+fsynced. Rerunning the same command after a crash (even kill -9) truncates a torn final line,
+skips ids already in the output and serves the rest, so every input id ends up in the output
+exactly once; complete lines already written are never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from jaxspec import report
+from jaxspec.canary import method_name, pick_sample, run_canary, sample_size
+from jaxspec.errors import InputError, JaxspecError
+from jaxspec.generate import check_draft
+from jaxspec.loading import Model
+from jaxspec.metrics_log import AcceptanceWatch, MetricsLog, low_acceptance_message
+from jaxspec.requests import (
+    Request, SamplingSettings, check_max_new_tokens, check_seed, check_token_ids, encode_prompt,
+)
+from jaxspec.runner import bucket, run
+
+log = logging.getLogger("jaxspec")
+SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+MAX_LISTED_DUPLICATES = 20
+
+
+class BatchError(JaxspecError):
+    """The job cannot start: duplicate input ids, or an output file it did not write."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDefaults:
+    """Settings for records that do not give their own."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        check_max_new_tokens(self.max_new_tokens)
+        SamplingSettings(self.temperature, self.top_k, self.top_p)
+        check_seed(self.seed)
+
+
+@dataclasses.dataclass
+class Record:
+    line: int  # 1-based line number in the input
+    key: str  # the id as compared for duplicates and resume (1 and "1" are the same id)
+    id: object  # the id as written back
+    data: dict | None  # the parsed object; None when the line could not be read
+    error: str | None = None
+    request: Request | None = None
+
+    @property
+    def prompt_version(self):
+        v = self.data.get("prompt_version") if self.data else None
+        return v if isinstance(v, str) else None
+
+
+# ---------------------------------------------------------------- input
+
+
+def parse_line(raw: bytes, line: int) -> Record:
+    """One input line -> Record; a line that is not an object with a valid id gets id "line:N"."""
+    unnamed = f"line:{line}"
+
+    def bad(message: str) -> Record:
+        return Record(line, unnamed, unnamed, None, message)
+
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return bad(f"line {line} is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except json.JSONDecodeError as e:
+        return bad(f"line {line} is not valid JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        return bad(f"line {line} is a JSON {type(obj).__name__}, not an object")
+    rid = obj.get("id")
+    if rid is None:
+        return Record(line, unnamed, unnamed, obj, 'id is missing: each record needs an "id" (a string or an integer)')
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        return Record(line, unnamed, unnamed, obj, f"id must be a non-empty string or an integer; got {rid!r}")
+    return Record(line, str(rid), rid, obj)
+
+
+def read_input(path: Path) -> list[Record]:
+    with open(path, "rb") as f:
+        return [parse_line(raw, n) for n, raw in enumerate(f, 1) if raw.strip()]
+
+
+def check_unique(records: list[Record], path: Path) -> None:
+    """Duplicate ids make "each id exactly once" impossible: refuse before doing any work."""
+    lines: dict[str, list[int]] = {}
+    for r in records:
+        lines.setdefault(r.key, []).append(r.line)
+    dups = [(k, v) for k, v in lines.items() if len(v) > 1]
+    if dups:
+        listed = "; ".join(f"{k!r} on lines {', '.join(map(str, v))}" for k, v in dups[:MAX_LISTED_DUPLICATES])
+        more = f"; and {len(dups) - MAX_LISTED_DUPLICATES} more" if len(dups) > MAX_LISTED_DUPLICATES else ""
+        raise BatchError(f"{path}: {len(dups)} duplicate id(s), each id must appear once: {listed}{more}")
+
+
+def render_messages(messages, tokenizer, model_name: str) -> list[int]:
+    """A chat, rendered with the tokenizer's chat template (with the assistant turn opened)."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f'messages[{i}] must be an object with string "role" and "content"')
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            f"messages need a chat template but the tokenizer of {model_name!r} has none; give a \"prompt\" instead"
+        )
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # template errors (e.g. roles out of order) are the record's fault
+        raise InputError(f"messages could not be rendered with the chat template: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+
+
+def build_request(data: dict, target: Model, defaults: JobDefaults) -> Request:
+    """A record's Request, its own settings overriding the job's; InputError names the field."""
+    if "prompt" in data and "messages" in data:
+        raise InputError('give either "prompt" or "messages", not both')
+    if "messages" in data:
+        prompt = render_messages(data["messages"], target.tokenizer, target.name)
+    elif "prompt" in data:
+        prompt = data["prompt"]
+    else:
+        raise InputError('prompt is missing: each record needs a "prompt" (text) or "messages" (a chat)')
+    if "prompt_version" in data and not isinstance(data["prompt_version"], str):
+        raise InputError(f"prompt_version must be a string; got {data['prompt_version']!r}")
+    s = {f: data.get(f, getattr(defaults, f)) for f in SETTING_FIELDS}
+    max_new = check_max_new_tokens(s["max_new_tokens"])
+    sampling = SamplingSettings(s["temperature"], s["top_k"], s["top_p"])
+    seed = check_seed(s["seed"])
+    c = target.config
+    ids = check_token_ids(encode_prompt(prompt, target.tokenizer, "prompt"), c.vocab_size,
+                          c.max_position_embeddings, max_new, "prompt")
+    return Request(ids, max_new, sampling, seed)
+
+
+def prepare(record: Record, target: Model, defaults: JobDefaults) -> Record:
+    if record.error is None:
+        try:
+            record.request = build_request(record.data, target, defaults)
+        except InputError as e:
+            record.error = str(e)
+    return record
+
+
+# ---------------------------------------------------------------- output
+
+
+def repair_tail(path: Path) -> int:
+    """Truncates a torn final line (a write cut short by a kill); returns the bytes removed."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        keep = size
+        while keep > 0:
+            start = max(0, keep - 65536)
+            f.seek(start)
+            block = f.read(keep - start)
+            if keep == size and block.endswith(b"\n"):
+                return 0
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            keep = start
+        if keep < size:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        return size - keep
+
+
+def read_output(path: Path) -> list[dict]:
+    """The records already in an output file; refuses a file a batch job did not write."""
+    out = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = None
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise BatchError(f"{path} line {n} is not a batch output record; refusing to append to this file")
+            out.append(obj)
+    return out
+
+
+def check_output_unique(records: list[dict], path: Path) -> None:
+    seen: set[str] = set()
+    dups = sorted({str(r["id"]) for r in records if str(r["id"]) in seen or seen.add(str(r["id"]))})
+    if dups:
+        raise BatchError(f"{path} already holds id(s) more than once: {', '.join(map(repr, dups[:MAX_LISTED_DUPLICATES]))}")
+
+
+class ChunkWriter:
+    """Appends whole chunks of lines: one write, flushed and fsynced, so a crash loses at most the
+    chunk in flight. Holds an exclusive lock so two jobs never append to one file."""
+
+    def __init__(self, path: Path):
+        new = not path.exists()
+        self.f = open(path, "ab")
+        try:
+            import fcntl
+
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # no fcntl (Windows): no lock
+            pass
+        except OSError:
+            self.f.close()
+            raise BatchError(f"another job is writing {path}; wait for it or use another output file") from None
+        if new:  # make the new file's directory entry durable too
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def write(self, lines: list[dict]) -> None:
+        if lines:
+            self.f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8"))
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _head(record: Record) -> dict:
+    head = {"id": record.id, "line": record.line}
+    if record.prompt_version is not None:
+        head["prompt_version"] = record.prompt_version
+    return head
+
+
+def error_line(record: Record) -> dict:
+    return {**_head(record), "error": record.error}
+
+
+def ok_line(record: Record, completion, method: str) -> dict:
+    return {
+        **_head(record), "text": completion.text, "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason, "method": method, "stats": completion.stats.as_dict(),
+    }
+
+
+# ---------------------------------------------------------------- scheduling
+
+
+def plan_chunks(records: list[Record], batch_size: int) -> list[list[Record]]:
+    """Device batches: records of one prompt-length bucket, budget bucket and greedy-ness, split
+    at batch_size. A chunk never spans buckets, so a job compiles a few graphs and pads little."""
+    def shape(r: Record):
+        q = r.request
+        return bucket(len(q.token_ids)), bucket(q.max_new_tokens), not q.sampling.greedy
+
+    groups: dict[tuple, list[Record]] = {}
+    for r in sorted(records, key=lambda r: (shape(r), len(r.request.token_ids), r.line)):
+        groups.setdefault(shape(r), []).append(r)
+    return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+
+
+def default_paths(out_path: Path) -> dict[str, Path]:
+    """OUT.jsonl -> OUT.summary.json, OUT.png, OUT.metrics.jsonl beside it."""
+    stem = out_path.with_suffix("") if out_path.suffix else out_path
+    return {
+        "summary": Path(f"{stem}.summary.json"), "plot": Path(f"{stem}.png"),
+        "metrics_log": Path(f"{stem}.metrics.jsonl"),
+    }
+
+
+def _versions(lines: list[dict]):
+    vs = sorted({x.get("prompt_version", report.UNVERSIONED) for x in lines})
+    return vs[0] if len(vs) == 1 else vs
+
+
+class _Progress:
+    """tqdm bar over records with tokens/s and running acceptance; a no-op when disabled."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="rec", desc="batch", dynamic_ncols=True)
+
+    def update(self, n: int, tokens_per_s: float, acceptance: float | None) -> None:
+        if self.bar is not None:
+            acc = "-" if acceptance is None else f"{acceptance:.2f}"
+            self.bar.set_postfix_str(f"{tokens_per_s:.0f} tok/s, acceptance {acc}", refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclasses.dataclass
+class _RunState:
+    """What this run did, for the metrics log, the progress bar and the summary."""
+
+    start: float
+    records: int = 0
+    new_tokens: int = 0
+    decode_s: float = 0.0
+    compile_s: float = 0.0
+    canary_s: float = 0.0
+    batches: list = dataclasses.field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def tokens_per_s(self) -> float:
+        e = self.elapsed()
+        return self.new_tokens / e if e > 0 else 0.0
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+    """How the job runs (besides per-record settings); see run_job."""
+
+    num_draft_tokens: int
+    batch_size: int
+    auto: bool
+    auto_sample: float | int
+    auto_ks: tuple[int, ...]
+    auto_repeats: int
+    auto_min_speedup: float
+    warn_below_acceptance: float
+    progress: bool
+
+
+def run_job(
+    in_path: str | Path,
+    out_path: str | Path,
+    target: Model,
+    draft: Model | None = None,
+    *,
+    num_draft_tokens: int = 3,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    auto: bool = False,
+    auto_sample: float | int = 0.05,
+    auto_ks=(2, 3, 4),
+    auto_repeats: int = 2,
+    auto_min_speedup: float = 1.05,
+    metrics_log: str | Path | None | bool = True,
+    summary_path: str | Path | None = None,
+    plot_path: str | Path | None | bool = True,
+    warn_below_acceptance: float = 0.6,
+    progress: bool = True,
+) -> dict:
+    """Runs (or resumes) a batch job from `in_path` into `out_path`; returns the summary dict.
+
+    draft: speculative decoding with K = num_draft_tokens when given, plain decoding when None.
+    max_new_tokens, temperature, top_k, top_p, seed: defaults for records without their own.
+    batch_size: records per device batch (and per durable output chunk).
+    auto: first time plain decoding and speculative decoding with each K in auto_ks on a sample
+    of the job (auto_sample: a fraction in (0, 1], at least 8 records and two batches, or a
+    count; rounded up to whole batches, taken from the commonest prompt-length buckets; best of
+    auto_repeats passes), check greedy outputs agree, and run the rest with the fastest
+    (speculation only when it beats plain by auto_min_speedup); the sample's outputs are kept.
+    metrics_log / plot_path: True for OUT.metrics.jsonl / OUT.png, a path, or None to skip.
+    summary_path: default OUT.summary.json. warn_below_acceptance: warn (logger "jaxspec") when
+    the running acceptance rate falls below it. progress: a tqdm bar on stderr.
+    Raises BatchError before any work for duplicate input ids or an output it did not write, and
+    InputError for bad job settings; bad records become "error" lines instead.
+    """
+    start = time.perf_counter()
+    in_path, out_path = Path(in_path), Path(out_path)
+    if not in_path.is_file():
+        raise InputError(f"input file {in_path} does not exist")
+    if out_path.exists() and out_path.resolve() == in_path.resolve():
+        raise InputError("the output file must not be the input file")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    if not isinstance(warn_below_acceptance, (int, float)) or not 0 <= warn_below_acceptance <= 1:
+        raise InputError(f"warn_below_acceptance must be in [0, 1]; got {warn_below_acceptance!r}")
+    if auto and draft is None:
+        raise InputError("auto needs a draft model to compare against plain decoding")
+    if draft is not None:
+        for k in (num_draft_tokens, *(auto_ks if auto else ())):
+            check_draft(target, draft, k)
+    if auto:
+        sample_size(1, auto_sample, 1)  # validates auto_sample up front
+        if isinstance(auto_min_speedup, bool) or not isinstance(auto_min_speedup, (int, float)) or auto_min_speedup <= 0:
+            raise InputError(f"auto_min_speedup must be a number > 0; got {auto_min_speedup!r}")
+        if isinstance(auto_repeats, bool) or not isinstance(auto_repeats, int) or auto_repeats < 1:
+            raise InputError(f"auto_repeats must be an integer >= 1; got {auto_repeats!r}")
+    defaults = JobDefaults(max_new_tokens, temperature, top_k, top_p, seed)
+    settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), auto_repeats,
+                           auto_min_speedup, warn_below_acceptance, progress)
+    paths = default_paths(out_path)
+    paths["summary"] = Path(summary_path) if summary_path else paths["summary"]
+    paths["plot"] = paths["plot"] if plot_path is True else (Path(plot_path) if plot_path else None)
+    paths["metrics_log"] = paths["metrics_log"] if metrics_log is True else (Path(metrics_log) if metrics_log else None)
+
+    records = read_input(in_path)
+    check_unique(records, in_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    writer = ChunkWriter(out_path)  # locks the output before it is inspected
+    try:
+        job = _Job(records, in_path, out_path, writer, target, draft, defaults, settings, paths, start)
+        return job.run()
+    finally:
+        writer.close()
+
+
+class _Job:
+    """One run of a job over the records not yet in the output."""
+
+    def __init__(self, records, in_path, out_path, writer, target, draft, defaults, settings, paths, start):
+        self.records, self.in_path, self.out_path, self.writer = records, in_path, out_path, writer
+        self.target, self.draft, self.defaults, self.settings, self.paths = target, draft, defaults, settings, paths
+        self.state = _RunState(start)
+        self.num_draft = settings.num_draft_tokens if draft is not None else 0
+        self.decision = None
+        self.mlog = MetricsLog(paths["metrics_log"], model=target.name,
+                               draft=draft.name if draft is not None else None, job=str(out_path))
+        self.watch = AcceptanceWatch(settings.warn_below_acceptance, draft.name if draft else "", target.name)
+        self.bar = None
+
+    def run(self) -> dict:
+        torn = repair_tail(self.out_path)
+        if torn:
+            log.warning("%s: removed a torn final line (%d bytes) left by an interrupted run", self.out_path, torn)
+        existing = read_output(self.out_path)
+        check_output_unique(existing, self.out_path)
+        done = {str(x["id"]) for x in existing}
+        pending = [prepare(r, self.target, self.defaults) for r in self.records if r.key not in done]
+        self.skipped = len(self.records) - len(pending)
+        todo = [r for r in pending if r.error is None]
+        self.bar = _Progress(len(pending), self.settings.progress)
+        try:
+            failed = [error_line(r) for r in pending if r.error is not None]
+            self.writer.write(failed)
+            self.state.records += len(failed)
+            self.bar.update(len(failed), 0.0, None)
+            if self.settings.auto and todo:
+                todo = self.canary(todo)
+            for chunk in plan_chunks(todo, self.settings.batch_size):
+                outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
+                           draft=self.draft if self.num_draft else None, num_draft=self.num_draft)
+                self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
+        finally:
+            self.bar.close()
+        return self.finish()
+
+    def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str) -> None:
+        """Writes a finished chunk durably, then logs and shows it."""
+        nd, state = self.num_draft, self.state
+        lines = [ok_line(r, c, method_name(nd)) for r, c in zip(chunk, outs)]
+        self.writer.write(lines)
+        t = report.totals(lines)
+        low = self.watch.update(t["accepted"], t["drafted"]) if nd else False
+        state.records += len(lines)
+        state.new_tokens += t["new_tokens"]
+        state.decode_s += decode_s
+        state.compile_s += compile_s
+        entry = self.mlog.write(
+            "batch", phase=phase, method=method_name(nd), num_draft_tokens=nd,
+            tree=None,  # token trees are not wired into the runner yet: chains only
+            prompt_version=_versions(lines), records=len(lines), batch_size=self.settings.batch_size,
+            prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
+            compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
+            acceptance_rate=t["acceptance_rate"], tokens_per_step=t["tokens_per_step"],
+            per_position_acceptance=t["per_position_acceptance"], running_acceptance=self.watch.rate,
+            low_acceptance=low, elapsed_s=state.elapsed(), running_tokens_per_s=state.tokens_per_s(),
+        )
+        state.batches.append(entry)
+        self.bar.update(len(lines), state.tokens_per_s(), self.watch.rate)
+
+    def canary(self, todo: list[Record]) -> list[Record]:
+        """Runs the canary on a sample of `todo`, keeps the chosen setting's outputs for the
+        sample, and returns the records still to do."""
+        t0 = time.perf_counter()
+        s = self.settings
+        n = sample_size(len(todo), s.auto_sample, s.batch_size)
+        sample = [todo[i] for i in pick_sample([len(r.request.token_ids) for r in todo], n)]
+
+        def on_pass(trial, number, new_tokens, decode_s, compile_s):
+            self.mlog.write(
+                "canary", method=trial.method, num_draft_tokens=trial.num_draft, tree=None,
+                **{"pass": number}, records=len(sample), batch_size=s.batch_size, new_tokens=new_tokens,
+                decode_s=decode_s, compile_s=compile_s, tokens_per_s=new_tokens / decode_s if decode_s > 0 else 0.0,
+            )
+
+        # Full batches, sorted by length: the batch size decides whether speculation pays, so the
+        # sample runs at the job's batch size even where it spans two buckets.
+        by_length = sorted(sample, key=lambda r: len(r.request.token_ids))
+        chunks = [by_length[i : i + s.batch_size] for i in range(0, len(by_length), s.batch_size)]
+        self.decision = run_canary(
+            self.target, self.draft, [[r.request for r in c] for c in chunks], s.batch_size, ks=s.auto_ks,
+            repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass,
+        )
+        self.num_draft = self.decision.num_draft
+        if self.num_draft:
+            self.watch.note = (
+                f"; the canary measured {self.decision.speedup:.2f}x the speed of plain decoding for "
+                f"{method_name(self.num_draft)} on {len(sample)} sample records"
+            )
+        self.mlog.write("decision", **self.decision.as_dict())
+        log.info("canary on %d records: %s", len(sample), self.decision.reason)
+        self.state.canary_s = time.perf_counter() - t0
+        chosen = self.decision.chosen
+        for chunk, outs, best_s in zip(chunks, chosen.outputs, chosen.best_s):
+            self.commit(chunk, outs, best_s, 0.0, "canary")
+        sampled = {id(r) for r in sample}
+        return [r for r in todo if id(r) not in sampled]
+
+    def finish(self) -> dict:
+        summary = self.summary()
+        if self.paths["plot"] is not None:
+            report.plot(summary, self.state.batches, self.paths["plot"])
+        report.write_json(self.paths["summary"], summary)
+        self.mlog.write("summary", **{k: summary[k] for k in ("totals", "this_run", "settings")})
+        rate = summary["totals"]["acceptance_rate"]
+        if rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
+            # This run's batches stayed above the threshold but the whole job (resumed) did not.
+            log.warning(low_acceptance_message(rate, self.settings.warn_below_acceptance,
+                                               summary["settings"]["draft"], self.target.name))
+        return summary
+
+    def summary(self) -> dict:
+        """Totals over every input record now in the output (earlier runs included), and this
+        run's throughput: wall time from the start to the last write, canary and compiles included."""
+        keys = {r.key for r in self.records}
+        written = read_output(self.out_path)
+        mine = [x for x in written if str(x["id"]) in keys]
+        missing = len(keys) - len({str(x["id"]) for x in mine})
+        if missing:
+            log.warning("%s: %d input record(s) are missing from the output", self.out_path, missing)
+        if len(mine) < len(written):
+            log.warning("%s: %d line(s) have ids that are not in %s", self.out_path, len(written) - len(mine),
+                        self.in_path)
+        state, s, d, wall = self.state, self.settings, self.defaults, self.state.elapsed()
+        import jax
+
+        return {
+            "input": str(self.in_path), "output": str(self.out_path),
+            "totals": report.totals(mine), "missing": missing, "skipped_existing": self.skipped,
+            "this_run": {
+                "records": state.records, "new_tokens": state.new_tokens, "wall_s": wall,
+                "decode_s": state.decode_s, "compile_s": state.compile_s, "canary_s": state.canary_s,
+                "records_per_s": state.records / wall if wall > 0 else 0.0,
+                "tokens_per_s": state.new_tokens / wall if wall > 0 else 0.0,
+                "decode_tokens_per_s": state.new_tokens / state.decode_s if state.decode_s > 0 else 0.0,
+                "batches": len(state.batches),
+            },
+            "by_prompt_version": report.by_prompt_version(mine),
+            "settings": {
+                "target": self.target.name, "draft": self.draft.name if self.draft is not None else None,
+                "method": method_name(self.num_draft), "num_draft_tokens": self.num_draft, "tree": None,
+                "batch_size": s.batch_size, **dataclasses.asdict(d), "auto": s.auto,
+                "auto_sample": s.auto_sample if s.auto else None,
+                "auto_ks": list(s.auto_ks) if s.auto else None,
+                "warn_below_acceptance": s.warn_below_acceptance, "dtype": str(self.target.dtype),
+                "backend": jax.default_backend(), "jax": jax.__version__,
+            },
+            "canary": self.decision.as_dict() if self.decision is not None else None,
+            "summary_path": str(self.paths["summary"]),
+            "plot_path": str(self.paths["plot"]) if self.paths["plot"] is not None else None,
+            "metrics_log": str(self.paths["metrics_log"]) if self.paths["metrics_log"] is not None else None,
+        }
+
+
+def write_humaneval_jsonl(path: str | Path, limit: int | None = None) -> Path:
+    """Writes the repository's HumanEval prompts as a batch input ({"id": "HumanEval/i", "prompt"})."""
+    from jaxspec.humaneval import load_prompts
+
+    path = Path(path)
+    if path.exists():
+        raise InputError(f"{path} already exists; not overwriting it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": f"HumanEval/{i}", "prompt": p}) for i, p in enumerate(load_prompts(limit=limit))]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
