@@ -37,6 +37,7 @@ from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_seed, check_token_ids, encode_prompt,
 )
 from jaxspec.runner import bucket, run
+from jaxspec.trees import resolve_tree
 
 log = logging.getLogger("jaxspec")
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
@@ -352,6 +353,7 @@ class JobSettings:
     auto: bool
     auto_sample: float | int
     auto_ks: tuple[int, ...]
+    auto_trees: tuple[str, ...]
     auto_repeats: int
     auto_min_speedup: float
     warn_below_acceptance: float
@@ -374,6 +376,7 @@ def run_job(
     auto: bool = False,
     auto_sample: float | int = 0.05,
     auto_ks=(2, 3, 4),
+    auto_trees=(),
     auto_repeats: int = 2,
     auto_min_speedup: float = 1.05,
     metrics_log: str | Path | None | bool = True,
@@ -387,7 +390,8 @@ def run_job(
     draft: speculative decoding with K = num_draft_tokens when given, plain decoding when None.
     max_new_tokens, temperature, top_k, top_p, seed: defaults for records without their own.
     batch_size: records per device batch (and per durable output chunk).
-    auto: first time plain decoding and speculative decoding with each K in auto_ks on a sample
+    auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
+    named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) on a sample
     of the job (auto_sample: a fraction in (0, 1], at least 8 records and two batches, or a
     count; rounded up to whole batches, taken from the commonest prompt-length buckets; best of
     auto_repeats passes), check greedy outputs agree, and run the rest with the fastest
@@ -413,6 +417,8 @@ def run_job(
     if draft is not None:
         for k in (num_draft_tokens, *(auto_ks if auto else ())):
             check_draft(target, draft, k)
+        for name in auto_trees if auto else ():
+            resolve_tree(name)
     if auto:
         sample_size(1, auto_sample, 1)  # validates auto_sample up front
         if isinstance(auto_min_speedup, bool) or not isinstance(auto_min_speedup, (int, float)) or auto_min_speedup <= 0:
@@ -420,7 +426,7 @@ def run_job(
         if isinstance(auto_repeats, bool) or not isinstance(auto_repeats, int) or auto_repeats < 1:
             raise InputError(f"auto_repeats must be an integer >= 1; got {auto_repeats!r}")
     defaults = JobDefaults(max_new_tokens, temperature, top_k, top_p, seed)
-    settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), auto_repeats,
+    settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), tuple(auto_trees), auto_repeats,
                            auto_min_speedup, warn_below_acceptance, progress)
     paths = default_paths(out_path)
     paths["summary"] = Path(summary_path) if summary_path else paths["summary"]
@@ -446,6 +452,7 @@ class _Job:
         self.target, self.draft, self.defaults, self.settings, self.paths = target, draft, defaults, settings, paths
         self.state = _RunState(start)
         self.num_draft = settings.num_draft_tokens if draft is not None else 0
+        self.tree = None  # a named draft tree the canary chose, else a chain of num_draft
         self.decision = None
         self.mlog = MetricsLog(paths["metrics_log"], model=target.name,
                                draft=draft.name if draft is not None else None, job=str(out_path))
@@ -471,8 +478,9 @@ class _Job:
             if self.settings.auto and todo:
                 todo = self.canary(todo)
             for chunk in plan_chunks(todo, self.settings.batch_size):
+                tree = resolve_tree(self.tree) if self.tree else None
                 outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
-                           draft=self.draft if self.num_draft else None, num_draft=self.num_draft)
+                           draft=self.draft if self.num_draft else None, num_draft=self.num_draft, tree=tree)
                 self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
         finally:
             self.bar.close()
@@ -481,7 +489,8 @@ class _Job:
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str) -> None:
         """Writes a finished chunk durably, then logs and shows it."""
         nd, state = self.num_draft, self.state
-        lines = [ok_line(r, c, method_name(nd)) for r, c in zip(chunk, outs)]
+        method = method_name(nd, self.tree)
+        lines = [ok_line(r, c, method) for r, c in zip(chunk, outs)]
         self.writer.write(lines)
         t = report.totals(lines)
         low = self.watch.update(t["accepted"], t["drafted"]) if nd else False
@@ -490,8 +499,7 @@ class _Job:
         state.decode_s += decode_s
         state.compile_s += compile_s
         entry = self.mlog.write(
-            "batch", phase=phase, method=method_name(nd), num_draft_tokens=nd,
-            tree=None,  # token trees are not wired into the runner yet: chains only
+            "batch", phase=phase, method=method, num_draft_tokens=nd, tree=self.tree,
             prompt_version=_versions(lines), records=len(lines), batch_size=self.settings.batch_size,
             prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
             compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
@@ -512,7 +520,7 @@ class _Job:
 
         def on_pass(trial, number, new_tokens, decode_s, compile_s):
             self.mlog.write(
-                "canary", method=trial.method, num_draft_tokens=trial.num_draft, tree=None,
+                "canary", method=trial.method, num_draft_tokens=trial.num_draft, tree=trial.tree,
                 **{"pass": number}, records=len(sample), batch_size=s.batch_size, new_tokens=new_tokens,
                 decode_s=decode_s, compile_s=compile_s, tokens_per_s=new_tokens / decode_s if decode_s > 0 else 0.0,
             )
@@ -522,14 +530,14 @@ class _Job:
         by_length = sorted(sample, key=lambda r: len(r.request.token_ids))
         chunks = [by_length[i : i + s.batch_size] for i in range(0, len(by_length), s.batch_size)]
         self.decision = run_canary(
-            self.target, self.draft, [[r.request for r in c] for c in chunks], s.batch_size, ks=s.auto_ks,
+            self.target, self.draft, [[r.request for r in c] for c in chunks], s.batch_size, ks=s.auto_ks, trees=s.auto_trees,
             repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass,
         )
-        self.num_draft = self.decision.num_draft
+        self.num_draft, self.tree = self.decision.num_draft, self.decision.tree
         if self.num_draft:
             self.watch.note = (
                 f"; the canary measured {self.decision.speedup:.2f}x the speed of plain decoding for "
-                f"{method_name(self.num_draft)} on {len(sample)} sample records"
+                f"{method_name(self.num_draft, self.tree)} on {len(sample)} sample records"
             )
         self.mlog.write("decision", **self.decision.as_dict())
         log.info("canary on %d records: %s", len(sample), self.decision.reason)
@@ -582,10 +590,12 @@ class _Job:
             "by_prompt_version": report.by_prompt_version(mine),
             "settings": {
                 "target": self.target.name, "draft": self.draft.name if self.draft is not None else None,
-                "method": method_name(self.num_draft), "num_draft_tokens": self.num_draft, "tree": None,
+                "method": method_name(self.num_draft, self.tree), "num_draft_tokens": self.num_draft,
+                "tree": self.tree,
                 "batch_size": s.batch_size, **dataclasses.asdict(d), "auto": s.auto,
                 "auto_sample": s.auto_sample if s.auto else None,
                 "auto_ks": list(s.auto_ks) if s.auto else None,
+                "auto_trees": list(s.auto_trees) if s.auto else None,
                 "warn_below_acceptance": s.warn_below_acceptance, "dtype": str(self.target.dtype),
                 "backend": jax.default_backend(), "jax": jax.__version__,
             },

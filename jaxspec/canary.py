@@ -18,13 +18,18 @@ from jaxspec.errors import InputError
 from jaxspec.loading import Model
 from jaxspec.requests import Request
 from jaxspec.runner import bucket, run
+from jaxspec.tree_speculative import TreePlan
+from jaxspec.trees import resolve_tree
 from jaxspec.stats import Completions
 
 log = logging.getLogger("jaxspec")
 PLAIN = "plain"
 
 
-def method_name(num_draft: int) -> str:
+def method_name(num_draft: int, tree: str | None = None) -> str:
+    """"plain", "speculative K=3" (a chain) or "tree sparse" (a named draft tree)."""
+    if tree:
+        return f"tree {tree}"
     return f"speculative K={num_draft}" if num_draft else PLAIN
 
 
@@ -74,7 +79,8 @@ def pick_sample(lengths: list[int], n: int) -> list[int]:
 class Trial:
     """One candidate setting: its outputs (first pass) and best time per chunk of the sample."""
 
-    num_draft: int
+    num_draft: int  # chain length; for a tree, its depth
+    tree: str | None = None  # a name from jaxspec.trees.NAMED_TREES, or None for a chain
     outputs: list[Completions] = dataclasses.field(default_factory=list)  # one per chunk
     best_s: list[float] = dataclasses.field(default_factory=list)  # least decode time per chunk
     passes: int = 0
@@ -83,7 +89,13 @@ class Trial:
 
     @property
     def method(self) -> str:
-        return method_name(self.num_draft)
+        return method_name(self.num_draft, self.tree)
+
+    def run(self, target: Model, draft: Model, chunk: list[Request], batch_size: int) -> Completions:
+        if not self.num_draft:
+            return run(target, chunk, batch_size)
+        tree = resolve_tree(self.tree) if self.tree else None
+        return run(target, chunk, batch_size, draft=draft, num_draft=self.num_draft, tree=tree)
 
     @property
     def completions(self) -> list:
@@ -118,7 +130,7 @@ class Trial:
         comps = self.completions
         steps = sum(c.stats.target_steps for c in comps)
         return {
-            "method": self.method, "num_draft_tokens": self.num_draft, "tokens_per_s": self.tokens_per_s,
+            "method": self.method, "num_draft_tokens": self.num_draft, "tree": self.tree, "tokens_per_s": self.tokens_per_s,
             "best_decode_s": self.best_decode_s, "passes": self.passes, "new_tokens": self.new_tokens,
             "compile_s": self.compile_s, "acceptance_rate": self.acceptance_rate,
             "tokens_per_step": self.new_tokens / steps if steps else None,
@@ -130,13 +142,14 @@ class Trial:
 @dataclasses.dataclass
 class Decision:
     num_draft: int  # 0 = plain decoding
+    tree: str | None
     reason: str
     trials: list[Trial]
     sample_records: int
 
     @property
     def chosen(self) -> Trial:
-        return next(t for t in self.trials if t.num_draft == self.num_draft)
+        return next(t for t in self.trials if (t.num_draft, t.tree) == (self.num_draft, self.tree))
 
     @property
     def speedup(self) -> float:
@@ -146,7 +159,7 @@ class Decision:
 
     def as_dict(self) -> dict:
         return {
-            "chosen": method_name(self.num_draft), "num_draft_tokens": self.num_draft,
+            "chosen": method_name(self.num_draft, self.tree), "num_draft_tokens": self.num_draft, "tree": self.tree,
             "speedup": self.speedup, "reason": self.reason, "sample_records": self.sample_records,
             "candidates": [t.as_dict() for t in self.trials],
         }
@@ -163,11 +176,11 @@ def _mismatches(outs: Completions, plain: Completions, requests: list[Request]) 
     return sum(r.sampling.greedy and a.token_ids != b.token_ids for a, b, r in zip(outs, plain, requests))
 
 
-def _decide(trials: list[Trial], min_speedup: float) -> tuple[int, str]:
+def _decide(trials: list[Trial], min_speedup: float) -> tuple[Trial, str]:
     plain = trials[0]
     lossless = [t for t in trials[1:] if not t.mismatched]
     if not lossless:
-        return 0, "plain decoding: no speculative setting reproduced plain greedy output on the sample"
+        return plain, "plain decoding: no speculative setting reproduced plain greedy output on the sample"
     best = max(lossless, key=lambda t: t.tokens_per_s)
     speedup = best.tokens_per_s / plain.tokens_per_s
     numbers = (
@@ -175,16 +188,17 @@ def _decide(trials: list[Trial], min_speedup: float) -> tuple[int, str]:
         f"{plain.tokens_per_s:.1f} tokens/s = {speedup:.2f}x"
     )
     if speedup >= min_speedup:
-        return best.num_draft, f"{best.method}: {numbers}"
-    return 0, f"plain decoding: speculation does not pay, best was {numbers} (needs {min_speedup:.2f}x)"
+        return best, f"{best.method}: {numbers}"
+    return plain, f"plain decoding: speculation does not pay, best was {numbers} (needs {min_speedup:.2f}x)"
 
 
 def run_canary(
     target: Model, draft: Model, chunks: list[list[Request]], batch_size: int, *,
-    ks=(2, 3, 4), repeats: int = 2, min_speedup: float = 1.05, keep_within: float = 0.9,
+    ks=(2, 3, 4), trees=(), repeats: int = 2, min_speedup: float = 1.05, keep_within: float = 0.9,
     on_pass=None,
 ) -> Decision:
-    """Times plain decoding and speculative decoding with each K in `ks` on the sample `chunks`
+    """Times plain decoding, speculative decoding with each K in `ks` and with each named tree
+    in `trees` on the sample `chunks`
     (lists of requests, each run as one call of at most batch_size rows).
 
     Candidates take turns chunk by chunk and each chunk keeps its least time over `repeats`
@@ -201,12 +215,13 @@ def run_canary(
     if repeats < 1:
         raise InputError(f"auto_repeats must be >= 1; got {repeats!r}")
     trials = [Trial(0)] + [Trial(k) for k in dict.fromkeys(ks)]
+    trials += [Trial(TreePlan.of(resolve_tree(name)).max_depth, name) for name in dict.fromkeys(trees)]
     active = list(trials)
     for p in range(repeats):
         spent = {id(t): [0, 0.0, 0.0] for t in active}
         for ci, chunk in enumerate(chunks):
             for t in active:
-                outs = run(target, chunk, batch_size, draft=draft if t.num_draft else None, num_draft=t.num_draft)
+                outs = t.run(target, draft, chunk, batch_size)
                 t.record(ci, outs)
                 if p == 0 and t.num_draft:
                     t.mismatched += _mismatches(outs, trials[0].outputs[ci], chunk)
@@ -223,10 +238,10 @@ def run_canary(
         active = [t for t in active if not t.num_draft or (not t.mismatched and t.tokens_per_s >= keep_within * fastest)]
         if len(active) == 1:  # only plain decoding is left: nothing to compare any more
             break
-    num_draft, reason = _decide(trials, min_speedup)
+    best, reason = _decide(trials, min_speedup)
     n = sum(len(c) for c in chunks)
     for t in trials:
         if t.mismatched:
             log.warning("canary: %s differs from plain greedy output on %d of %d sample records; not used",
                         t.method, t.mismatched, n)
-    return Decision(num_draft, reason, trials, n)
+    return Decision(best.num_draft, best.tree, reason, trials, n)

@@ -56,6 +56,7 @@ def run_generate(args) -> int:
     outs = jaxspec.generate(
         prompts, target, draft, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens,
+        tree=args.tree, attention=args.attention,
     )
     for prompt, out in zip(prompts, outs):
         if args.json:
@@ -117,6 +118,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="canary sample: a fraction (default 0.05, at least 8 records and 2 batches) or a "
                         "count (16) of the records, rounded up to whole batches")
     p.add_argument("--auto-k", type=_ints, default=[2, 3, 4], help="draft lengths K the canary tries (default 2,3,4)")
+    p.add_argument("--auto-trees", default="",
+                   help="named draft trees the canary tries too, comma-separated (e.g. binary-3,sparse; default none)")
     p.add_argument("--auto-repeats", type=int, default=2, help="timed passes per canary candidate, best kept (default 2)")
     p.add_argument("--auto-min-speedup", type=float, default=1.05,
                    help="speculation is chosen only when at least this much faster than plain (default 1.05)")
@@ -171,7 +174,8 @@ def run_batch(args) -> int:
             args.input, args.output, target, draft, num_draft_tokens=args.num_draft_tokens,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, auto=args.auto,
-            auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k), auto_repeats=args.auto_repeats,
+            auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
+            auto_trees=tuple(t for t in args.auto_trees.split(",") if t), auto_repeats=args.auto_repeats,
             auto_min_speedup=args.auto_min_speedup,
             metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
             summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
@@ -196,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.add_argument("--draft", help="draft model folder: decode speculatively with it (default: plain decoding)")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
+    p.add_argument("--tree", help="a named draft tree instead of a chain of K (binary-3, sparse, chain-3, chain-7)")
+    p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
+                   help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
     add_sampling_args(p)
     p.set_defaults(func=run_generate)
 

@@ -71,12 +71,13 @@ def test_auto_falls_back_to_plain_with_a_random_draft(tmp_path, target, random_d
     src = job_file(tmp_path / "in.jsonl", CODE)
     out = tmp_path / "out.jsonl"
     s = run_job(src, out, target, random_draft, max_new_tokens=32, batch_size=1, auto=True, auto_sample=4,
-                auto_ks=(2, 3), progress=False)
+                auto_ks=(2, 3), auto_trees=("binary-3",), progress=False)
     canary = s["canary"]
     assert canary["chosen"] == "plain" and s["settings"]["method"] == "plain"
     assert "speculation does not pay" in canary["reason"] and canary["sample_records"] == 4
     spec = [c for c in canary["candidates"] if c["num_draft_tokens"]]
-    assert len(spec) == 2 and all(c["acceptance_rate"] < 0.2 and c["greedy_identical"] for c in spec)
+    assert len(spec) == 3 and all(c["acceptance_rate"] < 0.2 and c["greedy_identical"] for c in spec)
+    assert [c["tree"] for c in spec] == [None, None, "binary-3"]
     plain = canary["candidates"][0]
     assert all(c["tokens_per_s"] < plain["tokens_per_s"] for c in spec)
     lines = check_lossless(out, target, CODE, 32)
@@ -84,7 +85,8 @@ def test_auto_falls_back_to_plain_with_a_random_draft(tmp_path, target, random_d
     events = read_log(tmp_path / "out.metrics.jsonl")
     decision = next(e for e in events if e["event"] == "decision")
     assert decision["chosen"] == "plain" and decision["draft"] == "random-draft"
-    assert {e["method"] for e in events if e["event"] == "canary"} == {"plain", "speculative K=2", "speculative K=3"}
+    assert {e["method"] for e in events if e["event"] == "canary"} == {
+        "plain", "speculative K=2", "speculative K=3", "tree binary-3"}
 
 
 def test_auto_picks_speculation_with_the_real_pair_on_code(tmp_path, target, draft):
