@@ -56,8 +56,7 @@ def plain(real_pair, prompts):
     return jaxspec.generate(prompts, real_pair[0], max_new_tokens=MAX_NEW)
 
 
-@pytest.mark.parametrize("tree", ["binary-3", "sparse"])
-@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("tree, batch_size", [("binary-3", 8), ("sparse", 1)])
 def test_tree_greedy_equals_target_on_humaneval(real_pair, prompts, plain, tree, batch_size):
     target, draft = real_pair
     outs = jaxspec.generate(prompts, target, draft, tree=tree, max_new_tokens=MAX_NEW, max_batch_size=batch_size)
