@@ -5,15 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestStats:
-    prompt_tokens: int
-    new_tokens: int
-    target_steps: int  # target forward passes that produced this row's tokens (prefill counts 1)
-    drafted: int = 0  # draft tokens proposed (0 for plain decoding)
-    accepted: int = 0  # draft tokens the target accepted
-    accepted_per_position: tuple[int, ...] = ()  # accepted count at draft position 1..K
-    drafted_per_position: tuple[int, ...] = ()  # proposals at draft position 1..K
+class _Rates:
+    """Derived rates of anything with drafted, accepted, new_tokens and target_steps fields."""
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -24,6 +17,17 @@ class RequestStats:
     def tokens_per_step(self) -> float:
         """Mean new tokens per target forward pass (1.0 for plain decoding)."""
         return self.new_tokens / self.target_steps if self.target_steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestStats(_Rates):
+    prompt_tokens: int
+    new_tokens: int
+    target_steps: int  # target forward passes that produced this row's tokens (prefill counts 1)
+    drafted: int = 0  # draft tokens proposed (0 for plain decoding)
+    accepted: int = 0  # draft tokens the target accepted
+    accepted_per_position: tuple[int, ...] = ()  # accepted count at draft position 1..K
+    drafted_per_position: tuple[int, ...] = ()  # proposals at draft position 1..K
 
     @property
     def per_position_acceptance(self) -> tuple[float, ...]:
@@ -40,7 +44,7 @@ class RequestStats:
 
 
 @dataclasses.dataclass(frozen=True)
-class CallMetrics:
+class CallMetrics(_Rates):
     """Whole-call numbers of one generate() call."""
 
     requests: int
@@ -56,14 +60,6 @@ class CallMetrics:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / self.target_steps if self.target_steps else 0.0
 
     def as_dict(self) -> dict:
         return {
