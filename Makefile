@@ -31,8 +31,9 @@ checkpoints/%/jaxspec.json: | $(VENV)/.installed
 
 convert: checkpoints/code-target-16m/jaxspec.json checkpoints/code-draft-4m/jaxspec.json
 
+# Speculative decoding with the embedded pair; prints the completion and its acceptance stats.
 demo: convert
-	$(BIN)/jaxspec generate "$(PROMPT)" --max-new-tokens 96
+	$(BIN)/jaxspec generate "$(PROMPT)" --draft checkpoints/code-draft-4m --num-draft-tokens 3 --max-new-tokens 96
 
 test: setup-test
 	$(BIN)/python -m pytest -q
