@@ -107,6 +107,8 @@ def generate(
     if draft is not None:
         check_draft(target, draft, num_draft_tokens)
         tree = chain(num_draft_tokens) if tree is None else resolve_tree(tree)
+    elif tree is not None:
+        raise InputError("tree needs a draft model: pass draft=... (or drop tree for plain decoding)")
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
     outs = run(target, requests, max_batch_size, draft=draft, tree=tree, attention=resolve_attention(attention))
     rate = outs.metrics.acceptance_rate

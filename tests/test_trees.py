@@ -41,6 +41,11 @@ def test_bad_trees_are_refused(tree, match):
         resolve_tree(tree)
 
 
+def test_tree_without_a_draft_is_refused(real_pair):
+    with pytest.raises(jaxspec.InputError, match="tree needs a draft model"):
+        jaxspec.generate(["x"], real_pair[0], tree="sparse")
+
+
 def test_choice_paths_need_their_parents():
     with pytest.raises(jaxspec.InputError, match=r"tree choice \(1, 0\) lacks its parent path \(1,\)"):
         tree_from_choices([(0,), (1, 0)])
