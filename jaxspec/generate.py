@@ -48,7 +48,7 @@ def resolve_attention(attention) -> str:
     return attention
 
 
-def check_draft(target: Model, draft: Model, num_draft_tokens) -> int:
+def check_draft(target: Model, draft: Model, num_draft_tokens) -> None:
     """Draft and target must share a vocabulary; K must be an int in [1, MAX_DRAFT_TOKENS]."""
     if not isinstance(draft, Model):
         raise InputError(f"draft must be a model from jaxspec.load or None; got {type(draft).__name__}")
@@ -68,7 +68,6 @@ def check_draft(target: Model, draft: Model, num_draft_tokens) -> int:
                 f"draft {draft.name!r} and target {target.name!r} have different tokenizers: "
                 "they must share one vocabulary"
             )
-    return num_draft_tokens
 
 
 def generate(

@@ -24,7 +24,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.decode import FINISH_LENGTH, FINISH_PADDING, RUNNING, Batch, commit_tokens, prefill
 from jaxspec.model import Weights, forward
 from jaxspec.sampling import SamplingParams, filtered_logits, row_keys, sample_tokens
-from jaxspec.tree_speculative import TreePlan, _path_to, accept_tree_greedy, accept_tree_sampling, draft_tree, move_path
+from jaxspec.tree_speculative import TreePlan, path_to, accept_tree_greedy, accept_tree_sampling, draft_tree, move_path
 from jaxspec.trees import Tree, ancestor_mask, chain
 
 
@@ -38,7 +38,7 @@ class SpecState:
     num_generated: jnp.ndarray  # [b]
     finish: jnp.ndarray  # [b]
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
-    accepted_per_position: jnp.ndarray  # [b, K] drafts accepted at position j
+    accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
 
 
 @struct.dataclass
@@ -47,7 +47,7 @@ class SpecOutput:
     num_generated: jnp.ndarray  # [b]
     finish: jnp.ndarray  # [b]
     rounds: jnp.ndarray  # [b] verify passes (prefill excluded)
-    accepted_per_position: jnp.ndarray  # [b, K]
+    accepted_per_position: jnp.ndarray  # [b, D]: D = K for a chain, the depth for a tree
 
 
 def _pick(logits: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool):
@@ -139,7 +139,7 @@ def _tree_round(target_weights, draft_weights, target_config, draft_config, batc
         sampled = accept_tree_sampling(plan, tokens, q, p, uniforms, keys[:, 2 * t])
         greedy_row = batch.sampling.temperature == 0
         accepted, next_token, best = (jnp.where(greedy_row, g, x) for g, x in zip((accepted, next_token, best), sampled))
-    path = _path_to(plan, best)  # [b, D+1]
+    path = path_to(plan, best)  # [b, D+1]
     path_tokens = jnp.take_along_axis(tokens, path, axis=1)
     j = jnp.arange(plan.max_depth + 1)[None, :]
     emitted = jnp.where(j < accepted[:, None], jnp.pad(path_tokens[:, 1:], ((0, 0), (0, 1))), next_token[:, None])

@@ -107,7 +107,7 @@ def draft_tree(
     return tokens, q_all, new_cache
 
 
-def _path_to(plan: TreePlan, best: jnp.ndarray) -> jnp.ndarray:
+def path_to(plan: TreePlan, best: jnp.ndarray) -> jnp.ndarray:
     """[b, D+1]: the node at each depth on the root path to `best` (best itself past its depth)."""
     anc = jnp.asarray(ancestor_mask(plan.parents))[best]  # [b, t]
     at_depth = anc[:, None, :] & (jnp.asarray(plan.depth)[None, None, :] == jnp.arange(plan.max_depth + 1)[None, :, None])
