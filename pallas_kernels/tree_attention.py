@@ -3,10 +3,10 @@
 Computes, for the t tree nodes of each row, attention over
   * the row's committed KV prefix: cache slots [0, lengths[b]), and
   * the tree's own keys, each node seeing only its ancestors and itself (`tree_mask`),
-in one pass with an online softmax, GQA (the g query heads of one kv head share each K/V load),
+in one pass with an online softmax, GQA (the query heads of one kv head share each K/V load),
 bf16 or float32 inputs and float32 accumulation.
 
-Layout:
+Layout (every operand is read where it lies: no transposes or pads around the call):
   q        [b, t, h, d]   tree queries (RoPE applied), h = n * g
   k_cache  [b, s, n, d]   one layer of the KV cache (slots past lengths[b] are ignored)
   v_cache  [b, s, n, d]
@@ -16,14 +16,17 @@ Layout:
   tree_mask [t, t] bool   tree_mask[i, j]: node i may attend to node j (ancestor or self)
   -> out   [b, t, h, d]   in q's dtype
 
-Grid: (b, n, row blocks, prefix splits). The query rows of one kv head are its g heads times t
-nodes; they are tiled into blocks of `block_rows`. The prefix is split across programs
-(flash-decoding) so that a batch-1 call still fills the GPU; each program keeps a partial
-(max, sum, acc) and the splits are merged afterwards. Split 0 also folds in the tree block.
+Grid: (b, n * head blocks, prefix splits). A program takes `gb` query heads of one kv head for
+all t nodes (blocks span tb = t rounded up to a power of two; loads and stores past t are masked): its rows are node * gb + head, so
+one K/V tile serves tb * gb query rows. At batch 1 a (row, kv head) grid would leave most of the
+GPU idle, so the prefix is split across programs (flash-decoding): each split writes its
+normalised partial output (in q's dtype, as vLLM's paged attention v2 does) and its
+log-sum-exp, and a second small kernel merges the splits straight into `out`. With one split
+the first kernel writes `out` itself. Split 0 also folds in the tree block.
 
 Backend notes (DESIGN.md): only the Triton lowering runs on ROCm, so compiler_params are always
-plt.CompilerParams; Triton wants power-of-two blocks and dot tiles >= 16 (rows, tree nodes and
-blocks are padded); MI300 has 64 KB of shared memory per CU, hence block_k 64 and 1-2 stages.
+plt.CompilerParams; Triton wants power-of-two tiles and dot tiles >= 16 (tb >= 16); MI300 has
+64 KB of shared memory per CU, hence block_k 64 and 1-2 stages.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jax.experimental.pallas import triton as plt
 
 NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
 BLOCK_K = 64  # prefix keys per inner step; callers size caches to a multiple of it
+MIN_SPLIT_KEYS = 256  # shorter splits write more partial output than they read K/V
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -53,20 +57,26 @@ def _dot(a, b, contract_b: int):
     return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _kernel(
+def _node_rows(tb: int, t: int, ndim: int):
+    """Mask [tb, 1, ...] of the real nodes among the tb padded ones."""
+    return (jnp.arange(tb) < t).reshape((tb,) + (1,) * (ndim - 1))
+
+
+def _attend_kernel(
     lengths_ref, q_ref, k_ref, v_ref, tk_ref, tv_ref, mask_ref,  # inputs
-    o_ref, l_ref, m_ref,  # outputs: partial accumulators of this split
-    *, scale: float, block_k: int, split_len: int,
+    *out_refs,  # out (one split) or (partial out, log-sum-exp)
+    scale: float, block_k: int, split_len: int, t: int, tb: int, gb: int, num_splits: int,
 ):
-    split = pl.program_id(3)
+    split = pl.program_id(2)
     length = lengths_ref[0]
-    q = q_ref[...]  # [R, d]
-    rows = q.shape[0]
+    d = q_ref.shape[-1]
+    rows = tb * gb
+    q = plt.load(q_ref, mask=_node_rows(tb, t, 3), other=0.0).reshape(rows, d)
     start = split * split_len
 
     def attend(keys, values, valid, carry):
         acc, m, l = carry
-        s = _dot(q, keys, contract_b=1) * scale  # [R, K]
+        s = _dot(q, keys, contract_b=1) * scale  # [rows, K]
         s = jnp.where(valid, s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
@@ -83,42 +93,85 @@ def _kernel(
         slots = start + offset + jnp.arange(block_k)
         return attend(keys, values, (slots < length)[None, :], carry)
 
+    def tree_block(carry):
+        real = jnp.arange(tb) < t
+        keys = plt.load(tk_ref, mask=real[:, None], other=0.0)
+        values = plt.load(tv_ref, mask=real[:, None], other=0.0)
+        visible = plt.load(mask_ref, mask=real[:, None] & real[None, :], other=0)
+        # Row node * gb + head sees what its node sees.
+        visible = jnp.broadcast_to(visible[:, None, :], (tb, gb, tb)).reshape(rows, tb)
+        return attend(keys, values, visible != 0, carry)
+
     carry = (
-        jnp.zeros((rows, q.shape[1]), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
         jnp.full((rows,), NEG, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
     num_blocks = jnp.clip(pl.cdiv(length - start, block_k), 0, split_len // block_k)
     carry = lax.fori_loop(0, num_blocks, prefix_block, carry)
-    carry = lax.cond(
-        split == 0,
-        lambda c: attend(tk_ref[...], tv_ref[...], mask_ref[...] != 0, c),
-        lambda c: c,
-        carry,
-    )
-    acc, m, l = carry
-    o_ref[...] = acc
-    l_ref[...] = l
-    m_ref[...] = m
+    if num_splits == 1:
+        acc, _, l = tree_block(carry)
+        out = (acc / l[:, None]).reshape(tb, gb, d)
+        plt.store(out_refs[0], out.astype(out_refs[0].dtype), mask=_node_rows(tb, t, 3))
+        return
+    acc, m, l = lax.cond(split == 0, tree_block, lambda c: c, carry)
+    part_ref, lse_ref = out_refs
+    empty = l == 0  # a split wholly past this row's prefix
+    l = jnp.where(empty, 1.0, l)
+    part_ref[...] = (acc / l[:, None]).astype(part_ref.dtype)
+    lse_ref[...] = jnp.where(empty, NEG, m + jnp.log(l))
 
 
-def _choose_splits(programs: int, prefix_blocks: int, target_programs: int) -> int:
-    """Largest power-of-two split count <= what fills ~target_programs, dividing the blocks."""
-    want = max(1, target_programs // max(programs, 1))
+def _merge_kernel(part_ref, lse_ref, o_ref, *, num_splits: int, t: int, chunk: int, gb: int):
+    """Merges the splits' partial outputs of `chunk` nodes (chunk * gb rows) into out."""
+    rows, d = chunk * gb, part_ref.shape[-1]
+
+    def add_split(i, carry):
+        acc, m, den = carry
+        lse = lse_ref[i, :]
+        m_new = jnp.maximum(m, lse)
+        w, correction = jnp.exp(lse - m_new), jnp.exp(m - m_new)
+        acc = acc * correction[:, None] + w[:, None] * part_ref[i, :, :].astype(jnp.float32)
+        return acc, m_new, den * correction + w
+
+    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    acc, _, den = lax.fori_loop(0, num_splits, add_split, carry)
+    nodes = pl.program_id(2) * chunk + jnp.arange(chunk)
+    out = (acc / den[:, None]).reshape(chunk, gb, d)
+    plt.store(o_ref, out.astype(o_ref.dtype), mask=(nodes < t)[:, None, None])
+
+
+def _heads_per_program(g: int, tb: int, block_rows: int) -> int:
+    """Largest power of two dividing g with tb * gb <= block_rows (at least 1)."""
+    gb = 1
+    while g % (gb * 2) == 0 and tb * gb * 2 <= block_rows:
+        gb *= 2
+    return gb
+
+
+def _choose_splits(programs: int, prefix_blocks: int, block_k: int, target_programs: int) -> int:
+    """Largest power-of-two split count that fills ~target_programs, divides the prefix blocks
+    and keeps each split at >= MIN_SPLIT_KEYS keys."""
     splits = 1
-    while splits * 2 <= want and prefix_blocks % (splits * 2) == 0:
+    while (
+        programs * splits * 2 <= target_programs
+        and prefix_blocks % (splits * 2) == 0
+        and prefix_blocks // (splits * 2) * block_k >= MIN_SPLIT_KEYS
+    ):
         splits *= 2
     return splits
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_k", "block_rows", "num_splits", "num_warps", "num_stages", "interpret", "target_programs"),
+    static_argnames=("block_k", "block_rows", "num_splits", "num_warps", "num_stages", "interpret",
+                     "target_programs", "merge_rows"),
 )
 def tree_attention(
     q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask, *,
     block_k: int = BLOCK_K, block_rows: int = 64, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False, target_programs: int = 512,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool = False, target_programs: int = 264,
+    merge_rows: int = 16,
 ):
     """Tree attention; see the module docstring for shapes. The cache length s must be a
     multiple of block_k (the engine sizes its cache so)."""
@@ -128,59 +181,70 @@ def tree_attention(
     if s % block_k:
         raise ValueError(f"cache length {s} must be a multiple of block_k={block_k}")
     tb = _pow2(t)
-    rows = g * t
-    block_rows = min(block_rows, _pow2(rows))
-    rows_padded = pl.cdiv(rows, block_rows) * block_rows
-    row_blocks = rows_padded // block_rows
-    splits = num_splits or _choose_splits(b * n * row_blocks, s // block_k, target_programs)
+    gb = _heads_per_program(g, tb, block_rows)
+    head_blocks = n * (g // gb)  # programs per batch row; block j holds heads [j * gb, (j + 1) * gb)
+    splits = num_splits or _choose_splits(b * head_blocks, s // block_k, block_k, target_programs)
     if (s // block_k) % splits:
         raise ValueError(f"num_splits={splits} must divide the {s // block_k} prefix blocks")
     split_len = s // splits
+    rows = tb * gb
+    kv_head = lambda j: j // (g // gb)  # noqa: E731
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    heads_spec = pl.BlockSpec((None, tb, gb, d), lambda bi, j, *_: (bi, 0, j, 0))  # q and out
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
 
-    # Query rows of kv head n: row r = head-in-group * t + node.
-    qr = q.reshape(b, t, n, g, d).transpose(0, 2, 3, 1, 4).reshape(b, n, rows, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
-    pad_t = ((0, 0), (0, tb - t), (0, 0), (0, 0))
-    tk, tv = jnp.pad(tree_k, pad_t), jnp.pad(tree_v, pad_t)
-    node_of_row = jnp.arange(rows_padded) % t
-    row_mask = jnp.pad(tree_mask.astype(jnp.int32), ((0, 0), (0, tb - t)))[node_of_row]
-    row_mask = jnp.where((jnp.arange(rows_padded) < rows)[:, None], row_mask, 0)
-
-    kernel = functools.partial(_kernel, scale=1.0 / math.sqrt(d), block_k=block_k, split_len=split_len)
-    grid = (b, n, row_blocks, splits)
-    o, l, m = pl.pallas_call(
+    kernel = functools.partial(
+        _attend_kernel, scale=1.0 / math.sqrt(d), block_k=block_k, split_len=split_len, t=t, tb=tb, gb=gb,
+        num_splits=splits,
+    )
+    if splits == 1:
+        out_specs, out_shapes = heads_spec, out_shape
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, d), lambda bi, j, si: (bi, j, si, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda bi, j, si: (bi, j, si, 0)),
+        ]
+        out_shapes = [
+            jax.ShapeDtypeStruct((b, head_blocks, splits, rows, d), q.dtype),
+            jax.ShapeDtypeStruct((b, head_blocks, splits, rows), jnp.float32),
+        ]
+    result = pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(b, head_blocks, splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda bi, ni, ri, si: (bi,)),
-            pl.BlockSpec((None, None, block_rows, d), lambda bi, ni, ri, si: (bi, ni, ri, 0)),
-            pl.BlockSpec((None, split_len, None, d), lambda bi, ni, ri, si: (bi, si, ni, 0)),
-            pl.BlockSpec((None, split_len, None, d), lambda bi, ni, ri, si: (bi, si, ni, 0)),
-            pl.BlockSpec((None, tb, None, d), lambda bi, ni, ri, si: (bi, 0, ni, 0)),
-            pl.BlockSpec((None, tb, None, d), lambda bi, ni, ri, si: (bi, 0, ni, 0)),
-            pl.BlockSpec((block_rows, tb), lambda bi, ni, ri, si: (ri, 0)),
+            pl.BlockSpec((1,), lambda bi, j, si: (bi,)),
+            heads_spec,
+            pl.BlockSpec((None, split_len, None, d), lambda bi, j, si: (bi, si, kv_head(j), 0)),
+            pl.BlockSpec((None, split_len, None, d), lambda bi, j, si: (bi, si, kv_head(j), 0)),
+            pl.BlockSpec((None, tb, None, d), lambda bi, j, si: (bi, 0, kv_head(j), 0)),
+            pl.BlockSpec((None, tb, None, d), lambda bi, j, si: (bi, 0, kv_head(j), 0)),
+            pl.BlockSpec((tb, tb), lambda bi, j, si: (0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_rows, d), lambda bi, ni, ri, si: (bi, ni, si, ri, 0)),
-            pl.BlockSpec((None, None, None, block_rows), lambda bi, ni, ri, si: (bi, ni, si, ri)),
-            pl.BlockSpec((None, None, None, block_rows), lambda bi, ni, ri, si: (bi, ni, si, ri)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, n, splits, rows_padded, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, n, splits, rows_padded), jnp.float32),
-            jax.ShapeDtypeStruct((b, n, splits, rows_padded), jnp.float32),
-        ],
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_specs=out_specs,
+        out_shape=out_shapes,
+        compiler_params=params,
         interpret=interpret,
         name="tree_attention",
-    )(lengths.astype(jnp.int32), qr, k_cache, v_cache, tk, tv, row_mask)
+    )(lengths.astype(jnp.int32), q, k_cache, v_cache, tree_k, tree_v, tree_mask.astype(jnp.int32))
+    if splits == 1:
+        return result
 
-    # Merge the splits' partial softmaxes.
-    m_max = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - m_max)  # [b, n, splits, R]
-    out = jnp.sum(o * w[..., None], axis=2) / jnp.sum(l * w, axis=2)[..., None]
-    out = out[:, :, :rows].reshape(b, n, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-    return out.astype(q.dtype)
+    part, lse = result
+    chunk = min(tb, _pow2(max(1, merge_rows // gb), minimum=1))  # nodes per merge program
+    merge = functools.partial(_merge_kernel, num_splits=splits, t=t, chunk=chunk, gb=gb)
+    return pl.pallas_call(
+        merge,
+        grid=(b, head_blocks, tb // chunk),
+        in_specs=[
+            pl.BlockSpec((None, None, splits, chunk * gb, d), lambda bi, j, c: (bi, j, 0, c, 0)),
+            pl.BlockSpec((None, None, splits, chunk * gb), lambda bi, j, c: (bi, j, 0, c)),
+        ],
+        out_specs=pl.BlockSpec((None, chunk, gb, d), lambda bi, j, c: (bi, c, j, 0)),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="tree_attention_merge",
+    )(part, lse)
 
 
 def tree_attention_reference(q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask):

@@ -37,6 +37,9 @@ CASES = [  # b, t, h, n, d, s, lengths, tree, num_splits
     (3, 8, 8, 1, 128, 256, [256, 65, 1], "balanced", 4),  # MQA, head dim 128, full prefix
     (2, 11, 16, 4, 64, 192, [0, 0], "random", 3),  # no prefix at all: tree only
     (2, 24, 8, 2, 128, 128, [64, 127], "random", None),  # rows > one block, split heuristic
+    (1, 15, 32, 8, 128, 512, [300], "balanced", 4),  # 8B-shaped heads, partial merge chunks
+    (2, 64, 8, 2, 64, 256, [256, 3], "random", 2),  # 64 nodes: one head per program
+    (1, 3, 8, 1, 64, 128, [128], "chain", 2),  # fewer nodes than one merge chunk
 ]
 
 
