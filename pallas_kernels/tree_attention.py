@@ -162,6 +162,19 @@ def _choose_splits(programs: int, prefix_blocks: int, block_k: int, target_progr
     return splits
 
 
+def tiling(b: int, t: int, h: int, n: int, s: int, *, block_k: int = BLOCK_K, block_rows: int = 64,
+           num_splits: int | None = None, target_programs: int = 264) -> tuple[int, int, int]:
+    """(padded nodes tb, query heads per program, prefix splits) for a call of these shapes."""
+    if s % block_k:
+        raise ValueError(f"cache length {s} must be a multiple of block_k={block_k}")
+    tb = _pow2(t)
+    gb = _heads_per_program(h // n, tb, block_rows)
+    splits = num_splits or _choose_splits(b * n * (h // n // gb), s // block_k, block_k, target_programs)
+    if (s // block_k) % splits:
+        raise ValueError(f"num_splits={splits} must divide the {s // block_k} prefix blocks")
+    return tb, gb, splits
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("block_k", "block_rows", "num_splits", "num_warps", "num_stages", "interpret",
@@ -178,14 +191,9 @@ def tree_attention(
     b, t, h, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
     g = h // n
-    if s % block_k:
-        raise ValueError(f"cache length {s} must be a multiple of block_k={block_k}")
-    tb = _pow2(t)
-    gb = _heads_per_program(g, tb, block_rows)
+    tb, gb, splits = tiling(b, t, h, n, s, block_k=block_k, block_rows=block_rows, num_splits=num_splits,
+                            target_programs=target_programs)
     head_blocks = n * (g // gb)  # programs per batch row; block j holds heads [j * gb, (j + 1) * gb)
-    splits = num_splits or _choose_splits(b * head_blocks, s // block_k, block_k, target_programs)
-    if (s // block_k) % splits:
-        raise ValueError(f"num_splits={splits} must divide the {s // block_k} prefix blocks")
     split_len = s // splits
     rows = tb * gb
     kv_head = lambda j: j // (g // gb)  # noqa: E731
