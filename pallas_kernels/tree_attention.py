@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plt
 NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
 BLOCK_K = 64  # prefix keys per inner step; callers size caches to a multiple of it
 MIN_SPLIT_KEYS = 256  # shorter splits write more partial output than they read K/V
+MERGE_ELEMENTS = 8192  # partial-output elements one merge program loads at once
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -118,27 +119,21 @@ def _attend_kernel(
     part_ref, lse_ref = out_refs
     empty = l == 0  # a split wholly past this row's prefix
     l = jnp.where(empty, 1.0, l)
-    part_ref[...] = (acc / l[:, None]).astype(part_ref.dtype)
-    lse_ref[...] = jnp.where(empty, NEG, m + jnp.log(l))
+    part_ref[...] = (acc / l[:, None]).reshape(tb, gb, d).astype(part_ref.dtype)
+    lse_ref[...] = jnp.where(empty, NEG, m + jnp.log(l)).reshape(tb, gb)
 
 
-def _merge_kernel(part_ref, lse_ref, o_ref, *, num_splits: int, t: int, chunk: int, gb: int):
-    """Merges the splits' partial outputs of `chunk` nodes (chunk * gb rows) into out."""
-    rows, d = chunk * gb, part_ref.shape[-1]
-
-    def add_split(i, carry):
-        acc, m, den = carry
-        lse = lse_ref[i, :]
-        m_new = jnp.maximum(m, lse)
-        w, correction = jnp.exp(lse - m_new), jnp.exp(m - m_new)
-        acc = acc * correction[:, None] + w[:, None] * part_ref[i, :, :].astype(jnp.float32)
-        return acc, m_new, den * correction + w
-
-    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, _, den = lax.fori_loop(0, num_splits, add_split, carry)
-    nodes = pl.program_id(2) * chunk + jnp.arange(chunk)
-    out = (acc / den[:, None]).reshape(chunk, gb, d)
-    plt.store(o_ref, out.astype(o_ref.dtype), mask=(nodes < t)[:, None, None])
+def _merge_kernel(part_ref, lse_ref, o_ref, *, num_splits: int, total_rows: int):
+    """Merges every split's partial output for a block of (node, head) rows at once: the loads
+    are independent, so their latencies overlap (a loop over splits would pay one per split)."""
+    sp, rows = lse_ref.shape  # splits padded to a power of two
+    real = (jnp.arange(sp) < num_splits)[:, None]
+    lse = plt.load(lse_ref, mask=real, other=NEG)  # [sp, rows]
+    part = plt.load(part_ref, mask=real[:, :, None], other=0.0).astype(jnp.float32)  # [sp, rows, d]
+    w = jnp.exp(lse - jnp.max(lse, axis=0)[None, :])
+    out = jnp.sum(w[:, :, None] * part, axis=0) / jnp.sum(w, axis=0)[:, None]
+    row = pl.program_id(1) * rows + jnp.arange(rows)
+    plt.store(o_ref, out.astype(o_ref.dtype), mask=(row < total_rows)[:, None])
 
 
 def _heads_per_program(g: int, tb: int, block_rows: int) -> int:
@@ -163,16 +158,22 @@ def _choose_splits(programs: int, prefix_blocks: int, block_k: int, target_progr
 
 
 def tiling(b: int, t: int, h: int, n: int, s: int, *, block_k: int = BLOCK_K, block_rows: int = 64,
-           num_splits: int | None = None, target_programs: int = 264) -> tuple[int, int, int]:
-    """(padded nodes tb, query heads per program, prefix splits) for a call of these shapes."""
-    if s % block_k:
-        raise ValueError(f"cache length {s} must be a multiple of block_k={block_k}")
+           num_splits: int | None = None, target_programs: int = 264) -> tuple[int, int, int, int]:
+    """(padded nodes tb, query heads per program, prefix splits, keys per inner step) for a call
+    of these shapes. block_k is the most keys per step; a split shorter than it takes fewer."""
+    if s % BLOCK_K:
+        raise ValueError(f"cache length {s} must be a multiple of {BLOCK_K}")
+    if block_k % BLOCK_K or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power-of-two multiple of {BLOCK_K}")
     tb = _pow2(t)
     gb = _heads_per_program(h // n, tb, block_rows)
-    splits = num_splits or _choose_splits(b * n * (h // n // gb), s // block_k, block_k, target_programs)
-    if (s // block_k) % splits:
-        raise ValueError(f"num_splits={splits} must divide the {s // block_k} prefix blocks")
-    return tb, gb, splits
+    splits = num_splits or _choose_splits(b * n * (h // n // gb), s // BLOCK_K, BLOCK_K, target_programs)
+    if (s // BLOCK_K) % splits:
+        raise ValueError(f"num_splits={splits} must divide the {s // BLOCK_K} prefix blocks of {BLOCK_K} keys")
+    step = block_k
+    while (s // splits) % step:
+        step //= 2
+    return tb, gb, splits, step
 
 
 @functools.partial(
@@ -184,15 +185,15 @@ def tree_attention(
     q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask, *,
     block_k: int = BLOCK_K, block_rows: int = 64, num_splits: int | None = None,
     num_warps: int = 4, num_stages: int = 2, interpret: bool = False, target_programs: int = 264,
-    merge_rows: int = 16,
+    merge_rows: int = 64,
 ):
     """Tree attention; see the module docstring for shapes. The cache length s must be a
     multiple of block_k (the engine sizes its cache so)."""
     b, t, h, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
     g = h // n
-    tb, gb, splits = tiling(b, t, h, n, s, block_k=block_k, block_rows=block_rows, num_splits=num_splits,
-                            target_programs=target_programs)
+    tb, gb, splits, block_k = tiling(b, t, h, n, s, block_k=block_k, block_rows=block_rows, num_splits=num_splits,
+                                     target_programs=target_programs)
     head_blocks = n * (g // gb)  # programs per batch row; block j holds heads [j * gb, (j + 1) * gb)
     split_len = s // splits
     rows = tb * gb
@@ -208,13 +209,13 @@ def tree_attention(
     if splits == 1:
         out_specs, out_shapes = heads_spec, out_shape
     else:
-        out_specs = [
-            pl.BlockSpec((None, None, None, rows, d), lambda bi, j, si: (bi, j, si, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda bi, j, si: (bi, j, si, 0)),
+        out_specs = [  # partial outputs in out's own layout, nodes padded to tb
+            pl.BlockSpec((None, None, tb, gb, d), lambda bi, j, si: (bi, si, 0, j, 0)),
+            pl.BlockSpec((None, None, tb, gb), lambda bi, j, si: (bi, si, 0, j)),
         ]
         out_shapes = [
-            jax.ShapeDtypeStruct((b, head_blocks, splits, rows, d), q.dtype),
-            jax.ShapeDtypeStruct((b, head_blocks, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, splits, tb, h, d), q.dtype),
+            jax.ShapeDtypeStruct((b, splits, tb, h), jnp.float32),
         ]
     result = pl.pallas_call(
         kernel,
@@ -238,21 +239,25 @@ def tree_attention(
         return result
 
     part, lse = result
-    chunk = min(tb, _pow2(max(1, merge_rows // gb), minimum=1))  # nodes per merge program
-    merge = functools.partial(_merge_kernel, num_splits=splits, t=t, chunk=chunk, gb=gb)
-    return pl.pallas_call(
-        merge,
-        grid=(b, head_blocks, tb // chunk),
+    sp = _pow2(splits, minimum=1)
+    merge_rows = max(1, min(merge_rows, MERGE_ELEMENTS // (sp * d)))  # bounds the registers held
+    while (tb * h) % merge_rows:  # blocks stay inside the partial arrays
+        merge_rows //= 2
+    total = t * h  # merge (node, head) rows; out viewed as [b, t * h, d] (a free reshape)
+    merged = pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=splits, total_rows=total),
+        grid=(b, pl.cdiv(total, merge_rows)),
         in_specs=[
-            pl.BlockSpec((None, None, splits, chunk * gb, d), lambda bi, j, c: (bi, j, 0, c, 0)),
-            pl.BlockSpec((None, None, splits, chunk * gb), lambda bi, j, c: (bi, j, 0, c)),
+            pl.BlockSpec((None, sp, merge_rows, d), lambda bi, c: (bi, 0, c, 0)),
+            pl.BlockSpec((None, sp, merge_rows), lambda bi, c: (bi, 0, c)),
         ],
-        out_specs=pl.BlockSpec((None, chunk, gb, d), lambda bi, j, c: (bi, c, j, 0)),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        out_specs=pl.BlockSpec((None, merge_rows, d), lambda bi, c: (bi, c, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, total, d), q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_merge",
-    )(part, lse)
+    )(part.reshape(b, splits, tb * h, d), lse.reshape(b, splits, tb * h))
+    return merged.reshape(b, t, h, d)
 
 
 def tree_attention_reference(q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask):

@@ -98,22 +98,21 @@ def copy_bandwidth() -> float:
 
 
 def sweep(b: int, s: int, t: int) -> list[dict]:
-    """The default tiling first (what the engine runs), then its neighbours."""
-    _, _, splits = tiling(b, t, H, N, s)
-    blocks = s // BLOCK_K
+    """The default tiling first (what the engine runs), then neighbouring split counts with each
+    key step and warp count."""
+    splits = tiling(b, t, H, N, s)[2]
     configs = [{}]
-    configs += [dict(num_splits=x) for x in (splits // 4, splits // 2, splits * 2, splits * 4)
-                if x >= 1 and x != splits and blocks % x == 0]
-    configs += [dict(num_warps=8), dict(num_stages=3), dict(block_rows=16 if t <= 16 else 128)]
-    if splits > 1:
-        configs.append(dict(merge_rows=8))
+    for x in (splits // 2, splits, splits * 2, splits * 4):
+        if x >= 1 and (s // BLOCK_K) % x == 0:
+            configs += [dict(num_splits=x, block_k=k, num_warps=w) for k, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
     return configs
 
 
 def describe(cfg: dict, b: int, s: int, t: int) -> str:
-    _, gb, splits = tiling(b, t, H, N, s, **{k: v for k, v in cfg.items() if k in ("block_rows", "num_splits")})
-    extra = "".join(f", {k} {v}" for k, v in cfg.items() if k not in ("block_rows", "num_splits"))
-    return f"{splits} splits, {gb} heads/program{extra}"
+    keys = ("block_rows", "num_splits", "block_k", "target_programs")
+    _, gb, splits, step = tiling(b, t, H, N, s, **{k: v for k, v in cfg.items() if k in keys})
+    extra = "".join(f", {k} {v}" for k, v in cfg.items() if k not in keys)
+    return f"{splits} splits, {gb} heads/program, {step} keys/step{extra}"
 
 
 def load_module(path: str):
