@@ -42,7 +42,6 @@ from jax.experimental.pallas import triton as plt
 
 NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
 BLOCK_K = 64  # prefix keys per inner step; callers size caches to a multiple of it
-MIN_SPLIT_KEYS = 256  # shorter splits write more partial output than they read K/V
 MERGE_ELEMENTS = 8192  # partial-output elements one merge program loads at once
 
 
@@ -144,15 +143,12 @@ def _heads_per_program(g: int, tb: int, block_rows: int) -> int:
     return gb
 
 
-def _choose_splits(programs: int, prefix_blocks: int, block_k: int, target_programs: int) -> int:
-    """Largest power-of-two split count that fills ~target_programs, divides the prefix blocks
-    and keeps each split at >= MIN_SPLIT_KEYS keys."""
+def _choose_splits(programs: int, prefix_blocks: int, target_programs: int) -> int:
+    """Largest power-of-two split count that keeps programs * splits <= target_programs and
+    divides the prefix blocks. (On the H200 ~2 programs per SM was best at every measured shape,
+    even when that leaves one 64-key block per split: docs/KERNELS.md.)"""
     splits = 1
-    while (
-        programs * splits * 2 <= target_programs
-        and prefix_blocks % (splits * 2) == 0
-        and prefix_blocks // (splits * 2) * block_k >= MIN_SPLIT_KEYS
-    ):
+    while programs * splits * 2 <= target_programs and prefix_blocks % (splits * 2) == 0:
         splits *= 2
     return splits
 
@@ -167,7 +163,7 @@ def tiling(b: int, t: int, h: int, n: int, s: int, *, block_k: int = BLOCK_K, bl
         raise ValueError(f"block_k={block_k} must be a power-of-two multiple of {BLOCK_K}")
     tb = _pow2(t)
     gb = _heads_per_program(h // n, tb, block_rows)
-    splits = num_splits or _choose_splits(b * n * (h // n // gb), s // BLOCK_K, BLOCK_K, target_programs)
+    splits = num_splits or _choose_splits(b * n * (h // n // gb), s // BLOCK_K, target_programs)
     if (s // BLOCK_K) % splits:
         raise ValueError(f"num_splits={splits} must divide the {s // BLOCK_K} prefix blocks of {BLOCK_K} keys")
     step = block_k

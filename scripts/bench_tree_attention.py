@@ -98,13 +98,11 @@ def copy_bandwidth() -> float:
 
 
 def sweep(b: int, s: int, t: int) -> list[dict]:
-    """The default tiling first (what the engine runs), then neighbouring split counts with each
-    key step and warp count."""
+    """The default tiling first (what the engine runs), then its neighbours: half and twice the
+    splits, deeper software pipelining, a longer key step."""
     splits = tiling(b, t, H, N, s)[2]
-    configs = [{}]
-    for x in (splits // 2, splits, splits * 2, splits * 4):
-        if x >= 1 and (s // BLOCK_K) % x == 0:
-            configs += [dict(num_splits=x, block_k=k, num_warps=w) for k, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+    configs = [{}, dict(num_stages=3), dict(num_stages=4), dict(block_k=128)]
+    configs += [dict(num_splits=x) for x in (splits // 2, splits * 2) if x >= 1 and (s // BLOCK_K) % x == 0]
     return configs
 
 
