@@ -101,7 +101,7 @@ def sweep(b: int, s: int, t: int) -> list[dict]:
     """The default tiling first (what the engine runs), then its neighbours: half and twice the
     splits, deeper software pipelining, a longer key step."""
     splits = tiling(b, t, H, N, s)[2]
-    configs = [{}, dict(num_stages=3), dict(num_stages=4), dict(block_k=128)]
+    configs = [{}, dict(num_stages=2), dict(num_stages=4), dict(block_k=128)]
     configs += [dict(num_splits=x) for x in (splits // 2, splits * 2) if x >= 1 and (s // BLOCK_K) % x == 0]
     return configs
 
