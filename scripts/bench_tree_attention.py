@@ -9,7 +9,8 @@ K/V, q and out / measured copy bandwidth. --compare times another version of the
 
 Timing: one jitted fori_loop runs the op on 8 distinct input sets per iteration (so K/V do not
 sit in L2), each call fed by the loop carry so nothing is hoisted; the same loop with the op
-replaced by the carry update alone is subtracted. Median of several runs.
+replaced by a read of q is subtracted. Median of several runs. Needs a GPU (--interpret runs
+the script's logic on a CPU, with meaningless times).
 
     python scripts/bench_tree_attention.py [--quick | --shapes 1x8192x16,...] [--no-sweep]
         [--compare OLD/tree_attention.py] [--json OUT]
