@@ -17,8 +17,8 @@ Layout (every operand is read where it lies: no transposes or pads around the ca
   -> out   [b, t, h, d]   in q's dtype
 
 Grid: (b, n * head blocks, prefix splits). A program takes `gb` query heads of one kv head for
-all t nodes (blocks span tb = t rounded up to a power of two; loads and stores past t are masked): its rows are node * gb + head, so
-one K/V tile serves tb * gb query rows. At batch 1 a (row, kv head) grid would leave most of the
+all t nodes (blocks span tb = t rounded up to a power of two; loads and stores past t are
+masked): its rows are node * gb + head, so one K/V tile serves tb * gb query rows. At batch 1 a (row, kv head) grid would leave most of the
 GPU idle, so the prefix is split across programs (flash-decoding): each split writes its
 normalised partial output (in q's dtype, as vLLM's paged attention v2 does) and its
 log-sum-exp, and a second small kernel merges the splits straight into `out`. With one split
@@ -26,7 +26,7 @@ the first kernel writes `out` itself. Split 0 also folds in the tree block.
 
 Backend notes (DESIGN.md): only the Triton lowering runs on ROCm, so compiler_params are always
 plt.CompilerParams; Triton wants power-of-two tiles and dot tiles >= 16 (tb >= 16); MI300 has
-64 KB of shared memory per CU, hence block_k 64 and 1-2 stages.
+64 KB of shared memory per CU, hence block_k 64 and 2 pipeline stages there (3 on NVIDIA).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def tree_attention(
     merge_rows: int = 64,
 ):
     """Tree attention; see the module docstring for shapes. The cache length s must be a
-    multiple of block_k (the engine sizes its cache so)."""
+    multiple of BLOCK_K (the engine sizes its cache so); see `tiling` for the other knobs."""
     b, t, h, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
     g = h // n

@@ -53,33 +53,24 @@ def xla_tree_attention(q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask):
     return out.reshape(b, t, h, d)
 
 
-def timed_loop(op, sets, iters: int) -> float:
-    """Seconds per op call (loop overhead subtracted). Each call's q depends on the loop carry so
-    nothing is hoisted; the baseline loop reads every q too (one small fusion per set, as the
-    q = q + carry fusion costs the timed loop), so neither side is charged for the other."""
+def loop_seconds(op, sets, iters: int) -> float:
+    """Wall time of one jitted loop calling op on every set per iteration; op=None times the same
+    loop with the call replaced by a read of q (the baseline). Each call's q depends on the loop
+    carry, so nothing is hoisted; the baseline reads every q too (one small fusion per set, as
+    the q = q + carry fusion costs the timed loop), so neither side is charged for the other."""
 
-    def make(with_op):
-        @jax.jit
-        def run(sets):
-            def body(_, carry):
-                acc = carry
-                for q, *rest in sets:
-                    q = q + (acc * 0).astype(q.dtype)
-                    value = op(q, *rest)[0, 0, 0, 0] if with_op else jnp.sum(q)
-                    acc = acc + value.astype(jnp.float32)
-                return acc
+    @jax.jit
+    def run(sets):
+        def body(_, acc):
+            for q, *rest in sets:
+                q = q + (acc * 0).astype(q.dtype)
+                value = jnp.sum(q) if op is None else op(q, *rest)[0, 0, 0, 0]
+                acc = acc + value.astype(jnp.float32)
+            return acc
 
-            return jax.lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
+        return jax.lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
 
-        return run
-
-    key = (id(sets), iters)
-    if key not in _BASELINES:  # the same for every op on these inputs: compile and time it once
-        _BASELINES[key] = median_seconds(make(False), sets)
-    return (median_seconds(make(True), sets) - _BASELINES[key]) / (iters * len(sets))
-
-
-_BASELINES: dict = {}
+    return median_seconds(run, sets)
 
 
 def median_seconds(fn, *args, runs: int = 5) -> float:
@@ -159,12 +150,17 @@ def main() -> None:
         io_bytes = 2 * b * t * H * D * 2
         floor = (kv_bytes + io_bytes) / bw
         iters = max(2, int(2e-3 / max(floor, 1e-6)) // SETS)
+        baseline = loop_seconds(None, sets, iters)  # the same for every op on these inputs
+
+        def timed(op) -> float:
+            """Seconds per op call, loop overhead subtracted."""
+            return (loop_seconds(op, sets, iters) - baseline) / (iters * SETS)
 
         def measure(fn):
             out = fn(*sets[0])
             err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
             assert err < 1e-2 and bool(jnp.all(jnp.isfinite(out))), f"kernel wrong: rel err {err}"
-            return timed_loop(fn, sets, iters), err
+            return timed(fn), err
 
         timings = []
         for cfg in [{}] if args.no_sweep else sweep(b, s, t):
@@ -178,7 +174,7 @@ def main() -> None:
         if default is None:
             raise SystemExit(f"the default tiling failed for batch {b}, prefix {s}, nodes {t}")
         best = min(timings, key=lambda r: r["us"])
-        xla = timed_loop(jax.jit(xla_tree_attention), sets, iters) * 1e6
+        xla = timed(xla_tree_attention) * 1e6
         row = dict(batch=b, prefix=s, nodes=t, floor_us=floor * 1e6, kernel_us=default["us"],
                    tiling=default["tiling"], xla_us=xla, best=best, sweep=timings, rel_err=default["rel_err"])
         cells = [b, s, t, f"{floor * 1e6:.1f}", f"{default['us']:.1f}", f"{default['us'] / (floor * 1e6):.2f}",
