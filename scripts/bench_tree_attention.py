@@ -91,10 +91,14 @@ def copy_bandwidth() -> float:
 
 def sweep(b: int, s: int, t: int) -> list[dict]:
     """The default tiling first (what the engine runs), then its neighbours: half and twice the
-    splits, deeper software pipelining, a longer key step."""
-    splits = tiling(b, t, H, N, s)[2]
-    configs = [{}, dict(num_stages=2), dict(num_stages=4), dict(block_k=128)]
+    splits, shallower and deeper software pipelining, a longer key step, 8 warps, and 128 query
+    rows per program where the heads allow it (larger matrix tiles for the compute-bound
+    many-node shapes)."""
+    _, gb, splits, _ = tiling(b, t, H, N, s)
+    configs = [{}, dict(num_stages=2), dict(num_stages=4), dict(block_k=128), dict(num_warps=8)]
     configs += [dict(num_splits=x) for x in (splits // 2, splits * 2) if x >= 1 and (s // BLOCK_K) % x == 0]
+    if tiling(b, t, H, N, s, block_rows=128)[1] > gb:
+        configs += [dict(block_rows=128, num_warps=w) for w in (4, 8)]
     return configs
 
 
