@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import struct
 
 from jaxspec.cache import KVCache
@@ -157,6 +158,14 @@ ATTENTION_IMPLS = ("xla", "pallas")
 PALLAS_MAX_CHUNK = 64  # the fused kernel serves decode/verify chunks; prefill stays on XLA
 
 
+def _einsum(spec: str, a, b, **kwargs):
+    """jnp.einsum with IEEE float32 products for float32 operands on every backend: JAX's default
+    on NVIDIA GPUs is TF32, which put float32 logits 1.7e-3 off HF's on an H200 (torch keeps TF32
+    off for matmuls by default). Other dtypes keep the backend's default."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.einsum(spec, a, b, precision=precision, **kwargs)
+
+
 def use_pallas(attention: str, config: ModelConfig, chunk: int, capacity: int) -> bool:
     """Whether this forward runs the fused Pallas tree-attention kernel."""
     from pallas_kernels.tree_attention import BLOCK_K
@@ -170,11 +179,11 @@ def use_pallas(attention: str, config: ModelConfig, chunk: int, capacity: int) -
 def _xla_attention(c: ModelConfig, q, keys, values, mask):
     b, t = q.shape[:2]
     qg = q.reshape(b, t, c.num_kv_heads, c.queries_per_kv, c.head_dim)
-    scores = jnp.einsum("btngk,bsnk->bngts", qg, keys, preferred_element_type=jnp.float32)
+    scores = _einsum("btngk,bsnk->bngts", qg, keys, preferred_element_type=jnp.float32)
     scores = scores * (c.head_dim ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
+    return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
 
 
 def _layer(config: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, carry, xs):
@@ -184,9 +193,9 @@ def _layer(config: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: b
     c = config
 
     h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-    q = _add(jnp.einsum("btd,dhk->bthk", h, w.wq), w.bq)
-    k = _add(jnp.einsum("btd,dnk->btnk", h, w.wk), w.bk)
-    v = _add(jnp.einsum("btd,dnk->btnk", h, w.wv), w.bv)
+    q = _add(_einsum("btd,dhk->bthk", h, w.wq), w.bq)
+    k = _add(_einsum("btd,dnk->btnk", h, w.wk), w.bk)
+    v = _add(_einsum("btd,dnk->btnk", h, w.wv), w.bv)
     if c.qk_norm:
         q = rms_norm(q, w.q_norm, c.rms_norm_eps)
         k = rms_norm(k, w.k_norm, c.rms_norm_eps)
@@ -211,12 +220,12 @@ def _layer(config: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: b
                               interpret=interpret)
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    x = x + _add(jnp.einsum("bthk,hkd->btd", attn, w.wo), w.bo)
+    x = x + _add(_einsum("bthk,hkd->btd", attn, w.wo), w.bo)
 
     h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-    gate = _add(jnp.einsum("btd,df->btf", h, w.w_gate), w.b_gate)
-    up = _add(jnp.einsum("btd,df->btf", h, w.w_up), w.b_up)
-    x = x + _add(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down), w.b_down)
+    gate = _add(_einsum("btd,df->btf", h, w.w_gate), w.b_gate)
+    up = _add(_einsum("btd,df->btf", h, w.w_up), w.b_up)
+    x = x + _add(_einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down), w.b_down)
     return (x, cache_k, cache_v, lengths), None
 
 
@@ -251,7 +260,7 @@ def forward(
 
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
     if weights.lm_head is None:
-        logits = jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
+        logits = _einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+        logits = _einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=k, v=v)

@@ -26,7 +26,8 @@ the first kernel writes `out` itself. Split 0 also folds in the tree block.
 
 Backend notes (DESIGN.md): only the Triton lowering runs on ROCm, so compiler_params are always
 plt.CompilerParams; Triton wants power-of-two tiles and dot tiles >= 16 (tb >= 16); MI300 has
-64 KB of shared memory per CU, hence block_k 64 and 2 pipeline stages there (3 on NVIDIA).
+64 KB of shared memory per CU, hence block_k 64 and 2 pipeline stages there (3 on NVIDIA
+while the tiles fit).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from jax.experimental.pallas import triton as plt
 NEG = -1e30  # finite "minus infinity": fully masked blocks stay NaN-free
 BLOCK_K = 64  # prefix keys per inner step; callers size caches to a multiple of it
 MERGE_ELEMENTS = 8192  # partial-output elements one merge program loads at once
+# K/V bytes that pipelining may hold beyond the tile in use. On the H200, 2 x 128 KB float32 tiles
+# (block_k 256, d 64, 3 stages) overflowed its 227 KB; 2 x 64 KB ran.
+MAX_PIPELINED_BYTES = 128 * 1024
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -153,10 +157,13 @@ def _choose_splits(programs: int, prefix_blocks: int, target_programs: int) -> i
     return splits
 
 
-def default_stages() -> int:
-    """Software-pipelining depth: 3 on NVIDIA GPUs (best at every shape measured on the H200),
-    2 elsewhere (a third K/V stage would overflow MI300's 64 KB of shared memory)."""
-    return 3 if any(d.device_kind.startswith("NVIDIA") for d in jax.devices()) else 2
+def default_stages(kv_tile_bytes: int) -> int:
+    """Software-pipelining depth for K/V tiles of this size (one key step of K plus V): 3 on
+    NVIDIA GPUs (best at every shape measured on the H200) while the extra tiles in flight fit
+    its shared memory with room to spare, else 2; 2 elsewhere (a third K/V stage would overflow
+    MI300's 64 KB of shared memory)."""
+    nvidia = any(d.device_kind.startswith("NVIDIA") for d in jax.devices())
+    return 3 if nvidia and 2 * kv_tile_bytes <= MAX_PIPELINED_BYTES else 2
 
 
 def tiling(b: int, t: int, h: int, n: int, s: int, *, block_k: int = BLOCK_K, block_rows: int = 64,
@@ -200,7 +207,8 @@ def tree_attention(
     split_len = s // splits
     rows = tb * gb
     kv_head = lambda j: j // (g // gb)  # noqa: E731
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or default_stages())
+    stages = num_stages or default_stages(2 * block_k * d * k_cache.dtype.itemsize)
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=stages)
     heads_spec = pl.BlockSpec((None, tb, gb, d), lambda bi, j, *_: (bi, 0, j, 0))  # q and out
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
 
