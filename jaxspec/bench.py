@@ -34,7 +34,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft model folder (default: embedded code-draft-4m)")
     p.add_argument("--prompts", type=int, default=20, help="first N HumanEval prompts (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="comma-separated (default 1,8)")
+    p.add_argument("--batch-sizes", type=_ints, help="comma-separated (default 1,8; with --shape 1,8,32,64)")
     p.add_argument("--k", type=_ints, default=[2, 3, 4], help="draft lengths K to try (default 2,3,4)")
     p.add_argument("--trees", default="", help="comma-separated named draft trees to try too (e.g. binary-3,sparse)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
@@ -46,6 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32", help="HF dtype (default float32)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     p.add_argument("--json", help="also write all results to this JSON file")
+    from jaxspec.bench_scale import add_scale_args
+
+    add_scale_args(p)
 
 
 def machine() -> dict:
@@ -164,6 +167,12 @@ def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_
 
 
 def run_bench(args) -> int:
+    if args.shape:
+        from jaxspec.bench_scale import run_scale_bench
+
+        args.batch_sizes = args.batch_sizes or [1, 8, 32, 64]
+        return run_scale_bench(args)
+    args.batch_sizes = args.batch_sizes or [1, 8]
     import jaxspec
     from jaxspec.humaneval import load_prompts
 

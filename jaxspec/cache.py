@@ -16,19 +16,20 @@ from jaxspec.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: jnp.ndarray  # [layers, b, s, kv_heads, head_dim]
-    v: jnp.ndarray  # [layers, b, s, kv_heads, head_dim]
+    k: tuple[jnp.ndarray, ...]  # per layer [b, s, kv_heads, head_dim] (separate arrays, as the weights)
+    v: tuple[jnp.ndarray, ...]  # per layer [b, s, kv_heads, head_dim]
     lengths: jnp.ndarray  # [b] int32, committed tokens per row
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype) -> "KVCache":
-        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+        shape = (batch, capacity, config.num_kv_heads, config.head_dim)
+        layers = range(config.num_layers)
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            v=tuple(jnp.zeros(shape, dtype) for _ in layers),
             lengths=jnp.zeros((batch,), jnp.int32),
         )

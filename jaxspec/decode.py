@@ -59,9 +59,8 @@ def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, 
     """Runs the prompts; returns (logits of each row's last prompt token [b, v], cache)."""
     b = batch.tokens.shape[0]
     cache = KVCache.create(config, b, capacity, dtype)
-    logits, cache = forward(weights, config, batch.tokens, cache)
-    last = jnp.take_along_axis(logits, jnp.maximum(batch.prompt_lens - 1, 0)[:, None, None], axis=1)[:, 0]
-    return last, cache.replace(lengths=batch.prompt_lens)
+    logits, cache = forward(weights, config, batch.tokens, cache, logits_at=jnp.maximum(batch.prompt_lens - 1, 0))
+    return logits[:, 0], cache.replace(lengths=batch.prompt_lens)
 
 
 def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids):

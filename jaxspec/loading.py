@@ -54,5 +54,5 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
     dtype = jnp.dtype(dtype or default_dtype())
     config = load_config(path)
     fields = read_checkpoint(path, config) if is_converted(path) else read_hf_weights(path, config)
-    weights = weights_from_fields({k: jnp.asarray(a, dtype) for k, a in fields.items()})
+    weights = weights_from_fields(config, fields, dtype)
     return Model(config, weights, _load_tokenizer(path), path.name, path, dtype)

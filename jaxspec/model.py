@@ -1,4 +1,4 @@
-"""Llama-family decoder as pure JAX functions over a weights pytree, layers stacked and scanned.
+"""Llama-family decoder as pure JAX functions over a weights pytree, layers unrolled.
 
 Einsum legend: b batch, t query, s key slot, d model, h query heads, n kv heads, g queries per kv
 head, k head dim, f ffn, v vocab.
@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from flax import struct
 
@@ -20,32 +21,35 @@ from jaxspec.rope import apply_rope, inverse_frequencies, rope_tables
 
 @struct.dataclass
 class LayerWeights:
-    """Every field is stacked over layers (leading axis L); optional fields are None when absent."""
+    """One decoder layer's weights, q/k/v and gate/up fused (one matmul each instead of three and
+    two: fewer, larger weight reads per decode step). Optional fields are None when absent.
 
-    attn_norm: jnp.ndarray  # [L, d]
-    wq: jnp.ndarray  # [L, d, h, k]
-    wk: jnp.ndarray  # [L, d, n, k]
-    wv: jnp.ndarray  # [L, d, n, k]
-    wo: jnp.ndarray  # [L, h, k, d]
-    mlp_norm: jnp.ndarray  # [L, d]
-    w_gate: jnp.ndarray  # [L, d, f]
-    w_up: jnp.ndarray  # [L, d, f]
-    w_down: jnp.ndarray  # [L, f, d]
-    bq: jnp.ndarray | None = None  # [L, h, k]
-    bk: jnp.ndarray | None = None  # [L, n, k]
-    bv: jnp.ndarray | None = None  # [L, n, k]
-    bo: jnp.ndarray | None = None  # [L, d]
-    q_norm: jnp.ndarray | None = None  # [L, k]
-    k_norm: jnp.ndarray | None = None  # [L, k]
-    b_gate: jnp.ndarray | None = None  # [L, f]
-    b_up: jnp.ndarray | None = None  # [L, f]
-    b_down: jnp.ndarray | None = None  # [L, d]
+    The fused q/k/v axis is laid out per kv head (its g query heads, then its key, then its
+    value), so splitting axis n over devices splits q, k and v consistently."""
+
+    attn_norm: jnp.ndarray  # [d]
+    wqkv: jnp.ndarray  # [d, n, g + 2, k]
+    wo: jnp.ndarray  # [h, k, d]
+    mlp_norm: jnp.ndarray  # [d]
+    w_gate_up: jnp.ndarray  # [d, 2, f]: gate, up
+    w_down: jnp.ndarray  # [f, d]
+    bqkv: jnp.ndarray | None = None  # [n, g + 2, k]
+    bo: jnp.ndarray | None = None  # [d]
+    q_norm: jnp.ndarray | None = None  # [k]
+    k_norm: jnp.ndarray | None = None  # [k]
+    b_gate_up: jnp.ndarray | None = None  # [2, f]
+    b_down: jnp.ndarray | None = None  # [d]
 
 
 @struct.dataclass
 class Weights:
+    """The layers are a tuple of separate arrays, not one array stacked over a layer axis: XLA on
+    GPUs copies a stacked array's layer slice before each matmul (cuBLAS wants its own buffer),
+    which made an 8B decode step read its weights about three times (11.5 ms against 4.7-5.0 ms
+    unrolled over separate arrays, measured on an H200; DESIGN.md)."""
+
     embed: jnp.ndarray  # [v, d]
-    layers: LayerWeights
+    layers: tuple[LayerWeights, ...]
     final_norm: jnp.ndarray  # [d]
     lm_head: jnp.ndarray | None = None  # [d, v]; None when tied to embed
 
@@ -107,18 +111,32 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def weights_from_fields(fields: dict[str, jnp.ndarray]) -> Weights:
-    """{"embed": ..., "layers.wq": [L, ...], ...} -> Weights."""
-    layers = {k.split(".", 1)[1]: a for k, a in fields.items() if k.startswith("layers.")}
-    top = {k: a for k, a in fields.items() if not k.startswith("layers.")}
-    return Weights(layers=LayerWeights(**layers), **top)
+def fuse_layer(c: ModelConfig, f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One layer's fields as param_specs names them ("wq", "bk", ...) -> LayerWeights fields."""
+    n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
+    out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down")
+           if name in f}
+    out["wqkv"] = np.concatenate(
+        [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
+    out["w_gate_up"] = np.stack([f["w_gate"], f["w_up"]], axis=1)
+    if "bq" in f:
+        out["bqkv"] = np.concatenate([f["bq"].reshape(n, g, k), f["bk"][:, None], f["bv"][:, None]], axis=1)
+    if "b_gate" in f:
+        out["b_gate_up"] = np.stack([f["b_gate"], f["b_up"]])
+    return out
 
 
-def weights_to_fields(weights: Weights) -> dict[str, jnp.ndarray]:
-    fields = {k: getattr(weights, k) for k in ("embed", "final_norm", "lm_head")}
-    for f in dataclasses.fields(LayerWeights):
-        fields["layers." + f.name] = getattr(weights.layers, f.name)
-    return {k: a for k, a in fields.items() if a is not None}
+def weights_from_fields(config: ModelConfig, fields: dict[str, np.ndarray], dtype) -> Weights:
+    """{"embed": ..., "layers.wq": [L, ...], ...} host arrays (checkpoint layout, layers stacked)
+    -> Weights on the default device in `dtype`, one layer at a time."""
+    put = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    stacked = {name.split(".", 1)[1]: a for name, a in fields.items() if name.startswith("layers.")}
+    layers = tuple(
+        LayerWeights(**{name: put(a) for name, a in fuse_layer(config, {n: a[i] for n, a in stacked.items()}).items()})
+        for i in range(config.num_layers)
+    )
+    top = {name: put(a) for name, a in fields.items() if not name.startswith("layers.")}
+    return Weights(layers=layers, **top)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -186,16 +204,16 @@ def _xla_attention(c: ModelConfig, q, keys, values, mask):
     return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
 
 
-def _layer(config: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, carry, xs):
-    x, cache_k, cache_v, lengths = carry
-    w, layer = xs
+def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, lengths,
+           w: LayerWeights, x, cache_k, cache_v):
+    """One decoder layer: x [b, t, d], this layer's cache [b, s, n, k] -> (x, cache_k, cache_v)."""
     b, t, _ = x.shape
-    c = config
+    g = c.queries_per_kv
 
     h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-    q = _add(_einsum("btd,dhk->bthk", h, w.wq), w.bq)
-    k = _add(_einsum("btd,dnk->btnk", h, w.wk), w.bk)
-    v = _add(_einsum("btd,dnk->btnk", h, w.wv), w.bv)
+    qkv = _add(_einsum("btd,dnjk->btnjk", h, w.wqkv), w.bqkv)  # j: g queries, key, value
+    q = qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim)
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if c.qk_norm:
         q = rms_norm(q, w.q_norm, c.rms_norm_eps)
         k = rms_norm(k, w.k_norm, c.rms_norm_eps)
@@ -206,27 +224,26 @@ def _layer(config: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: b
     # Write the new keys/values beside the committed prefix, then attend over the whole cache.
     slots = lengths[:, None] + jnp.arange(t)[None, :]
     rows = jnp.arange(b)[:, None]
-    cache_k = cache_k.at[layer, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[layer, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
-    keys, values = cache_k[layer], cache_v[layer]  # [b, s, n, k]
+    cache_k = cache_k.at[rows, slots].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows, slots].set(v.astype(cache_v.dtype), mode="drop")
 
     if pallas:
         from pallas_kernels.tree_attention import tree_attention
 
         # Prefix = slots < lengths; the chunk's own keys come in beside it under chunk_mask.
-        k_new, v_new = k.astype(keys.dtype), v.astype(values.dtype)
+        k_new, v_new = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
         interpret = jax.default_backend() == "cpu"  # the CPU runs Pallas only in interpret mode
-        attn = tree_attention(q.astype(keys.dtype), keys, values, k_new, v_new, lengths, chunk_mask,
+        attn = tree_attention(q.astype(cache_k.dtype), cache_k, cache_v, k_new, v_new, lengths, chunk_mask,
                               interpret=interpret)
     else:
-        attn = _xla_attention(c, q, keys, values, mask)
+        attn = _xla_attention(c, q, cache_k, cache_v, mask)
     x = x + _add(_einsum("bthk,hkd->btd", attn, w.wo), w.bo)
 
     h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-    gate = _add(_einsum("btd,df->btf", h, w.w_gate), w.b_gate)
-    up = _add(_einsum("btd,df->btf", h, w.w_up), w.b_up)
-    x = x + _add(_einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down), w.b_down)
-    return (x, cache_k, cache_v, lengths), None
+    gate_up = _add(_einsum("btd,dcf->btcf", h, w.w_gate_up), w.b_gate_up)
+    act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    x = x + _add(_einsum("btf,fd->btd", act, w.w_down), w.b_down)
+    return x, cache_k, cache_v
 
 
 def forward(
@@ -237,10 +254,13 @@ def forward(
     positions: jnp.ndarray | None = None,  # [b, t]; default lengths + arange(t)
     chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
     attention: str = "xla",  # "xla", or "pallas": the fused kernel for chunks of <= 64 tokens
+    logits_at: jnp.ndarray | None = None,  # [b] int32: the one position per row whose logits are wanted
 ) -> tuple[jnp.ndarray, KVCache]:
-    """Runs t new tokens per row; returns (logits [b, t, v] float32, cache with their K/V written).
+    """Runs t new tokens per row; returns (logits [b, t, v] float32 (or [b, 1, v] at `logits_at`),
+    cache with their K/V written).
 
-    The cache's lengths are not advanced: the caller commits what it keeps.
+    The cache's lengths are not advanced: the caller commits what it keeps. The layers are a
+    Python loop over separate arrays (unrolled in the graph), not a lax.scan: see Weights.
     """
     b, t = tokens.shape
     if positions is None:
@@ -254,13 +274,19 @@ def forward(
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     x = weights.embed[tokens]
-    layer_ids = jnp.arange(config.num_layers)
-    body = lambda carry, xs: _layer(config, inv_freq, mask, positions, chunk_mask, pallas, carry, xs)  # noqa: E731
-    (x, k, v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, cache.lengths), (weights.layers, layer_ids))
+    new_k, new_v = [], []
+    for w, cache_k, cache_v in zip(weights.layers, cache.k, cache.v):
+        with jax.named_scope(f"layer{len(new_k)}"):
+            x, cache_k, cache_v = _layer(config, inv_freq, mask, positions, chunk_mask, pallas, cache.lengths,
+                                         w, x, cache_k, cache_v)
+        new_k.append(cache_k)
+        new_v.append(cache_v)
 
+    if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
     if weights.lm_head is None:
         logits = _einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
     else:
         logits = _einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
-    return logits, cache.replace(k=k, v=v)
+    return logits, cache.replace(k=tuple(new_k), v=tuple(new_v))

@@ -61,8 +61,12 @@ def _executable(key: tuple, lower):
 
 
 def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:
-    """Cache slots for a bucket, rounded to the attention kernel's block so both paths fit."""
-    return -(-(prompt_len + max_out + slack) // BLOCK_K) * BLOCK_K
+    """Cache slots for a bucket: a multiple of the attention kernel's block and, past 8 blocks, of
+    8 blocks. The kernel splits the prefix into a divisor of its block count, and a count with few
+    divisors (129 = 3 x 43 blocks at a prefix of 8192) left it 1.5x slower than the XLA path on an
+    H200 (7.7 against 5.2 ms per 8B step)."""
+    blocks = -(-(prompt_len + max_out + slack) // BLOCK_K)
+    return (blocks if blocks <= 8 else -(-blocks // 8) * 8) * BLOCK_K
 
 
 def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attention: str):

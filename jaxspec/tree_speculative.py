@@ -165,6 +165,5 @@ def move_path(cache: KVCache, base: jnp.ndarray, path: jnp.ndarray) -> KVCache:
     rows = jnp.arange(path.shape[0])[:, None]
     src = base[:, None] + path
     dst = base[:, None] + jnp.arange(path.shape[1])[None, :]
-    k = cache.k.at[:, rows, dst].set(cache.k[:, rows, src], mode="drop")
-    v = cache.v.at[:, rows, dst].set(cache.v[:, rows, src], mode="drop")
-    return cache.replace(k=k, v=v)
+    move = lambda layer: layer.at[rows, dst].set(layer[rows, src], mode="drop")  # noqa: E731
+    return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))

@@ -23,7 +23,7 @@ import transformers
 import jaxspec
 from jaxspec.cache import KVCache
 from jaxspec.checkpoint import convert_hf_checkpoint
-from jaxspec.model import forward, weights_to_fields
+from jaxspec.model import forward
 from tiny_models import TINY, build_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,10 +169,10 @@ def test_converted_checkpoint_logits_identical_to_hf_folder(tmp_path_factory):
     out_dir = convert_hf_checkpoint(hf_dir, tmp_path_factory.mktemp("convert_out") / "ckpt")
     direct, converted = jaxspec.load(hf_dir, dtype="float32"), jaxspec.load(out_dir, dtype="float32")
     assert converted.config == direct.config
-    a, b = weights_to_fields(direct.weights), weights_to_fields(converted.weights)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+    a, b = jax.tree_util.tree_leaves_with_path(direct.weights), jax.tree.leaves(converted.weights)
+    assert jax.tree.structure(direct.weights) == jax.tree.structure(converted.weights)
+    for (path, x), y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
     tokens = np.array(random_prompts([20, 20], direct.config.vocab_size, seed=6))
     np.testing.assert_array_equal(engine_logits(converted, tokens), engine_logits(direct, tokens))
 
