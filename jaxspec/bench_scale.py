@@ -236,6 +236,8 @@ def run_scale_bench(args) -> int:
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
         raise SystemExit(f"--parts: unknown {sorted(parts - set(PARTS))}; allowed: {', '.join(PARTS)}")
+    if args.no_hf:
+        parts.discard("hf")
     trees = [t for t in args.trees.split(",") if t]
     attention = resolve_attention(args.attention)
     result = {"args": vars(args), "rows": []}
@@ -297,23 +299,21 @@ def run_scale_bench(args) -> int:
             one = costs[("draft", "t=1")]
             floor = 1000 * (step_weight_bytes(draft) + _kv_bytes(draft, 1, P)) / bw
             emit({"part": "draft_step", "model": draft.name, "ms": one, "floor_ms": floor, "of_floor": floor / one})
+    acc = {}
+    if "acceptance" in parts:  # before the long spec rows, so a cut-short run keeps it
+        acc = result["embedded_acceptance"] = embedded_acceptance(args.spec_k, trees, args.acceptance_prompts)
+        print(f"embedded pair acceptance: {acc}", flush=True)
+    plain = next((r for r in result["rows"] if r["part"] == "plain" and r["batch"] == 1 and r["prompt_len"] == P), None)
     if "spec" in parts and draft is not None:
-        for k in args.spec_k:
-            emit(spec_row(target, draft, P, N, R, attention, args.seed, costs, k=k))
-        for tree in trees:
-            emit(spec_row(target, draft, P, N, R, attention, args.seed, costs, tree=tree))
+        for kw in [{"k": k} for k in args.spec_k] + [{"tree": t} for t in trees]:
+            row = spec_row(target, draft, P, N, R, attention, args.seed, costs, **kw)
+            emit(row)
+            if plain and row["method"] in acc:
+                tpr = acc[row["method"]]["tokens_per_round"]
+                emit({"part": "projection", "method": row["method"], "tokens_per_round": tpr,
+                      "projected_speedup": tpr * plain["ms_per_step"] / row["ms_per_round"]})
     if "prefill" in parts:
         emit(prefill_row(target, args.prefill_len, R, rate, args.seed))
-    if "acceptance" in parts:
-        acc = embedded_acceptance(args.spec_k, trees, args.acceptance_prompts)
-        result["embedded_acceptance"] = acc
-        print(f"embedded pair acceptance: {acc}", flush=True)
-        plain = next((r for r in result["rows"] if r["part"] == "plain" and r["batch"] == 1 and r["prompt_len"] == P), None)
-        for r in [r for r in result["rows"] if r["part"] == "spec"]:
-            if plain and r["method"] in acc:
-                tpr = acc[r["method"]]["tokens_per_round"]
-                emit({"part": "projection", "method": r["method"], "tokens_per_round": tpr,
-                      "projected_speedup": tpr * plain["ms_per_step"] / r["ms_per_round"]})
     save()
     _print_summary(result)
     return 0
