@@ -57,7 +57,7 @@ def time_generate(torch, model, batch: int, prompt_len: int, new_tokens: int, as
 
     call(4)  # warm-up
     seconds, made = call(new_tokens)
-    return {"engine": "hf", "method": "assisted" if assistant is not None else "plain", "batch": batch,
+    return {"part": "hf", "engine": "hf", "method": "assisted" if assistant is not None else "plain", "batch": batch,
             "prompt_len": prompt_len, "new_tokens": made * batch, "seconds": seconds,
             "tokens_per_s": made * batch / seconds, "ms_per_token_step": 1000 * seconds / made}
 

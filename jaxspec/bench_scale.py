@@ -303,7 +303,7 @@ def run_scale_bench(args) -> int:
     if "acceptance" in parts:  # before the long spec rows, so a cut-short run keeps it
         acc = result["embedded_acceptance"] = embedded_acceptance(args.spec_k, trees, args.acceptance_prompts)
         print(f"embedded pair acceptance: {acc}", flush=True)
-    plain = next((r for r in result["rows"] if r["part"] == "plain" and r["batch"] == 1 and r["prompt_len"] == P), None)
+    plain = next((r for r in result["rows"] if r.get("part") == "plain" and r["batch"] == 1 and r["prompt_len"] == P), None)
     if "spec" in parts and draft is not None:
         for kw in [{"k": k} for k in args.spec_k] + [{"tree": t} for t in trees]:
             row = spec_row(target, draft, P, N, R, attention, args.seed, costs, **kw)
@@ -324,7 +324,7 @@ def _print_summary(result: dict) -> None:
     print("\n| part | what | ms | tokens/s | of floor / vs 1 token / overhead |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        part = r["part"]
+        part = r.get("part")
         if part == "plain":
             print(f"| plain | {r['model']} B={r['batch']} prompt {r['prompt_len']} | {r['ms_per_step']:.2f} | "
                   f"{r['tokens_per_s']:.1f} | {r['of_floor']:.2f} of {r['floor_ms']:.2f} ms |")
