@@ -16,20 +16,27 @@ from jaxspec.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jnp.ndarray, ...]  # per layer [b, s, kv_heads, head_dim] (separate arrays, as the weights)
-    v: tuple[jnp.ndarray, ...]  # per layer [b, s, kv_heads, head_dim]
+    # Laid out as the weights (model.scan_layers): per layer [b, s, kv_heads, head_dim] arrays, or
+    # one [layers, b, s, kv_heads, head_dim] array.
+    k: tuple[jnp.ndarray, ...] | jnp.ndarray
+    v: tuple[jnp.ndarray, ...] | jnp.ndarray
     lengths: jnp.ndarray  # [b] int32, committed tokens per row
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[2]
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype) -> "KVCache":
+        from jaxspec.model import scan_layers
+
         shape = (batch, capacity, config.num_kv_heads, config.head_dim)
-        layers = range(config.num_layers)
+        if scan_layers():
+            make = lambda: jnp.zeros((config.num_layers,) + shape, dtype)  # noqa: E731
+        else:
+            make = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in layers),
-            v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            k=make(),
+            v=make(),
             lengths=jnp.zeros((batch,), jnp.int32),
         )

@@ -7,6 +7,7 @@ head, k head dim, f ffn, v vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,25 +32,27 @@ class LayerWeights:
     wqkv: jnp.ndarray  # [d, n, g + 2, k]
     wo: jnp.ndarray  # [h, k, d]
     mlp_norm: jnp.ndarray  # [d]
-    w_gate_up: jnp.ndarray  # [d, 2, f]: gate, up
+    w_gate_up: jnp.ndarray | tuple  # [d, 2, f] (gate, up) fused; ([d, f], [d, f]) on the CPU: see fuse_mlp
     w_down: jnp.ndarray  # [f, d]
     bqkv: jnp.ndarray | None = None  # [n, g + 2, k]
     bo: jnp.ndarray | None = None  # [d]
     q_norm: jnp.ndarray | None = None  # [k]
     k_norm: jnp.ndarray | None = None  # [k]
-    b_gate_up: jnp.ndarray | None = None  # [2, f]
+    b_gate_up: jnp.ndarray | tuple | None = None  # [2, f], or ([f], [f]) as w_gate_up
     b_down: jnp.ndarray | None = None  # [d]
 
 
 @struct.dataclass
 class Weights:
-    """The layers are a tuple of separate arrays, not one array stacked over a layer axis: XLA on
-    GPUs copies a stacked array's layer slice before each matmul (cuBLAS wants its own buffer),
-    which made an 8B decode step read its weights about three times (11.5 ms against 4.7-5.0 ms
-    unrolled over separate arrays, measured on an H200; DESIGN.md)."""
+    """On accelerators the layers are a tuple of separate arrays, run unrolled: XLA on GPUs copies
+    a stacked array's layer slice before each matmul (cuBLAS wants its own buffer), which made an
+    8B decode step read its weights about three times (11.5 ms against 4.3 ms per step on an
+    H200). On the CPU they stay one LayerWeights stacked over a leading layer axis, run by a
+    lax.scan: there the unrolled graph made a speculative round about 1.5x slower (see
+    scan_layers)."""
 
     embed: jnp.ndarray  # [v, d]
-    layers: tuple[LayerWeights, ...]
+    layers: tuple[LayerWeights, ...] | LayerWeights  # per layer, or stacked [L, ...] (scan_layers)
     final_norm: jnp.ndarray  # [d]
     lm_head: jnp.ndarray | None = None  # [d, v]; None when tied to embed
 
@@ -111,30 +114,54 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def fuse_layer(c: ModelConfig, f: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One layer's fields as param_specs names them ("wq", "bk", ...) -> LayerWeights fields."""
+def scan_layers() -> bool:
+    """Whether this backend runs the layers as a lax.scan over stacked weights (the CPU) rather
+    than unrolled over separate arrays. On the 2-core CPU the unrolled graph ran a K=3 speculative
+    round of the embedded pair in 18.9 ms against 12.3 with the scan (plain steps the same, 4.8 vs
+    5.2 ms): its gate/up matmuls took 307 against 115 us each, the scan's slice copy having just
+    pulled the weights into cache."""
+    return jax.default_backend() == "cpu"
+
+
+def arrange_layers(layers: tuple[LayerWeights, ...]) -> tuple[LayerWeights, ...] | LayerWeights:
+    """Per-layer weights as this backend runs them: kept apart, or stacked (scan_layers)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if scan_layers() else layers
+
+
+def fuse_mlp() -> bool:
+    """Whether gate and up are one [d, 2, f] matrix on this backend. On GPUs one wider matmul per
+    step is one weight read and one kernel; on the CPU the fused matrix outgrows the cache and ran
+    1.6-2x slower than two (embedded target's layer, 2-core EPYC, JAX 0.10.2: 189 vs 84 us at 4
+    tokens), so there they stay apart."""
+    return jax.default_backend() != "cpu"
+
+
+def fuse_layer(c: ModelConfig, f: dict[str, np.ndarray], mlp: bool) -> dict[str, np.ndarray]:
+    """One layer's fields as param_specs names them ("wq", "bk", ...) -> LayerWeights fields;
+    mlp: fuse gate and up too (see fuse_mlp)."""
     n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
     out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down")
            if name in f}
     out["wqkv"] = np.concatenate(
         [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
-    out["w_gate_up"] = np.stack([f["w_gate"], f["w_up"]], axis=1)
+    out["w_gate_up"] = np.stack([f["w_gate"], f["w_up"]], axis=1) if mlp else (f["w_gate"], f["w_up"])
     if "bq" in f:
         out["bqkv"] = np.concatenate([f["bq"].reshape(n, g, k), f["bk"][:, None], f["bv"][:, None]], axis=1)
     if "b_gate" in f:
-        out["b_gate_up"] = np.stack([f["b_gate"], f["b_up"]])
+        out["b_gate_up"] = np.stack([f["b_gate"], f["b_up"]]) if mlp else (f["b_gate"], f["b_up"])
     return out
 
 
 def weights_from_fields(config: ModelConfig, fields: dict[str, np.ndarray], dtype) -> Weights:
     """{"embed": ..., "layers.wq": [L, ...], ...} host arrays (checkpoint layout, layers stacked)
     -> Weights on the default device in `dtype`, one layer at a time."""
-    put = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    put = lambda a: jax.tree.map(lambda x: jnp.asarray(x, dtype), a)  # noqa: E731
+    mlp = fuse_mlp()
     stacked = {name.split(".", 1)[1]: a for name, a in fields.items() if name.startswith("layers.")}
-    layers = tuple(
-        LayerWeights(**{name: put(a) for name, a in fuse_layer(config, {n: a[i] for n, a in stacked.items()}).items()})
+    layers = arrange_layers(tuple(
+        LayerWeights(**{name: put(a) for name, a in fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp).items()})
         for i in range(config.num_layers)
-    )
+    ))
     top = {name: put(a) for name, a in fields.items() if not name.startswith("layers.")}
     return Weights(layers=layers, **top)
 
@@ -204,9 +231,28 @@ def _xla_attention(c: ModelConfig, q, keys, values, mask):
     return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
 
 
+def _gate_up(h, w, bias):
+    """(gate, up) [b, t, f] from fused or separate weights (see fuse_mlp)."""
+    if isinstance(w, tuple):
+        return tuple(_add(_einsum("btd,df->btf", h, wi), bi) for wi, bi in zip(w, bias or (None, None)))
+    gate_up = _add(_einsum("btd,dcf->btcf", h, w), bias)
+    return gate_up[:, :, 0], gate_up[:, :, 1]
+
+
+def _write(cache, layer, rows, slots, new):
+    """Writes new [b, t, n, k] at slots; -> (cache, this layer's [b, s, n, k]). cache is one
+    layer's array (layer None) or the stacked cache of a scan."""
+    if layer is None:
+        cache = cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
+        return cache, cache
+    cache = cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
+    return cache, cache[layer]
+
+
 def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, lengths,
-           w: LayerWeights, x, cache_k, cache_v):
-    """One decoder layer: x [b, t, d], this layer's cache [b, s, n, k] -> (x, cache_k, cache_v)."""
+           w: LayerWeights, x, cache_k, cache_v, layer=None):
+    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
+    [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index."""
     b, t, _ = x.shape
     g = c.queries_per_kv
 
@@ -224,24 +270,24 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, 
     # Write the new keys/values beside the committed prefix, then attend over the whole cache.
     slots = lengths[:, None] + jnp.arange(t)[None, :]
     rows = jnp.arange(b)[:, None]
-    cache_k = cache_k.at[rows, slots].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+    cache_k, keys = _write(cache_k, layer, rows, slots, k)
+    cache_v, values = _write(cache_v, layer, rows, slots, v)
 
     if pallas:
         from pallas_kernels.tree_attention import tree_attention
 
         # Prefix = slots < lengths; the chunk's own keys come in beside it under chunk_mask.
-        k_new, v_new = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+        k_new, v_new = k.astype(keys.dtype), v.astype(values.dtype)
         interpret = jax.default_backend() == "cpu"  # the CPU runs Pallas only in interpret mode
-        attn = tree_attention(q.astype(cache_k.dtype), cache_k, cache_v, k_new, v_new, lengths, chunk_mask,
+        attn = tree_attention(q.astype(keys.dtype), keys, values, k_new, v_new, lengths, chunk_mask,
                               interpret=interpret)
     else:
-        attn = _xla_attention(c, q, cache_k, cache_v, mask)
+        attn = _xla_attention(c, q, keys, values, mask)
     x = x + _add(_einsum("bthk,hkd->btd", attn, w.wo), w.bo)
 
     h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-    gate_up = _add(_einsum("btd,dcf->btcf", h, w.w_gate_up), w.b_gate_up)
-    act = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up)
+    act = jax.nn.silu(gate) * up
     x = x + _add(_einsum("btf,fd->btd", act, w.w_down), w.b_down)
     return x, cache_k, cache_v
 
@@ -259,8 +305,8 @@ def forward(
     """Runs t new tokens per row; returns (logits [b, t, v] float32 (or [b, 1, v] at `logits_at`),
     cache with their K/V written).
 
-    The cache's lengths are not advanced: the caller commits what it keeps. The layers are a
-    Python loop over separate arrays (unrolled in the graph), not a lax.scan: see Weights.
+    The cache's lengths are not advanced: the caller commits what it keeps. The layers run
+    unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights.
     """
     b, t = tokens.shape
     if positions is None:
@@ -274,13 +320,23 @@ def forward(
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     x = weights.embed[tokens]
-    new_k, new_v = [], []
-    for w, cache_k, cache_v in zip(weights.layers, cache.k, cache.v):
-        with jax.named_scope(f"layer{len(new_k)}"):
-            x, cache_k, cache_v = _layer(config, inv_freq, mask, positions, chunk_mask, pallas, cache.lengths,
-                                         w, x, cache_k, cache_v)
-        new_k.append(cache_k)
-        new_v.append(cache_v)
+    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, cache.lengths)
+    if isinstance(weights.layers, tuple):  # unrolled over separate arrays
+        new_k, new_v = [], []
+        for i, (w, cache_k, cache_v) in enumerate(zip(weights.layers, cache.k, cache.v)):
+            with jax.named_scope(f"layer{i}"):
+                x, cache_k, cache_v = layer(w, x, cache_k, cache_v)
+            new_k.append(cache_k)
+            new_v.append(cache_v)
+        new_k, new_v = tuple(new_k), tuple(new_v)
+    else:  # stacked, scanned (scan_layers)
+        def body(carry, xs):
+            x, cache_k, cache_v = carry
+            w, i = xs
+            return layer(w, x, cache_k, cache_v, i), None
+
+        (x, new_k, new_v), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v), (weights.layers, jnp.arange(config.num_layers)))
 
     if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
@@ -289,4 +345,4 @@ def forward(
         logits = _einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
     else:
         logits = _einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
-    return logits, cache.replace(k=tuple(new_k), v=tuple(new_v))
+    return logits, cache.replace(k=new_k, v=new_v)

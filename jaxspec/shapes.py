@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxspec.config import ModelConfig, config_from_hf
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
-from jaxspec.model import LayerWeights, Weights
+from jaxspec.model import LayerWeights, Weights, arrange_layers, fuse_mlp
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -60,11 +60,12 @@ def shape_config(name: str) -> ModelConfig:
     return dataclasses.replace(config_from_hf(SHAPES[name]), eos_token_ids=(), bos_token_id=None)
 
 
-def layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shapes of one layer's LayerWeights fields that this config uses."""
+def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
+    """The shapes of one layer's LayerWeights fields that this config uses (a tuple of shapes for
+    gate/up kept apart: mlp=False, see model.fuse_mlp)."""
     d, f, h, n, k, g = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.queries_per_kv
     shapes = {"attn_norm": (d,), "wqkv": (d, n, g + 2, k), "wo": (h, k, d), "mlp_norm": (d,),
-              "w_gate_up": (d, 2, f), "w_down": (f, d)}
+              "w_gate_up": (d, 2, f) if mlp else ((d, f), (d, f)), "w_down": (f, d)}
     if c.qkv_bias:
         shapes["bqkv"] = (n, g + 2, k)
     if c.o_bias:
@@ -72,7 +73,7 @@ def layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     if c.qk_norm:
         shapes |= {"q_norm": (k,), "k_norm": (k,)}
     if c.mlp_bias:
-        shapes |= {"b_gate_up": (2, f), "b_down": (d,)}
+        shapes |= {"b_gate_up": (2, f) if mlp else ((f,), (f,)), "b_down": (d,)}
     return shapes
 
 
@@ -89,13 +90,16 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0) -> Weights:
 
     def make(shape, norm=False):
         nonlocal key
+        if isinstance(shape[0], tuple):  # gate and up apart
+            return tuple(make(s, norm) for s in shape)
         key, sub = jax.random.split(key)
         return _random(sub, shape=shape, dtype=jnp.dtype(dtype), norm=norm)
 
-    layers = tuple(
-        LayerWeights(**{name: make(shape, norm=name.endswith("norm")) for name, shape in layer_shapes(c).items()})
+    shapes = layer_shapes(c, fuse_mlp())
+    layers = arrange_layers(tuple(
+        LayerWeights(**{name: make(shape, norm=name.endswith("norm")) for name, shape in shapes.items()})
         for _ in range(c.num_layers)
-    )
+    ))
     d, v = c.hidden_size, c.vocab_size
     head = None if c.tie_word_embeddings else make((d, v))
     return Weights(embed=make((v, d)), layers=layers, final_norm=make((d,), norm=True), lm_head=head)

@@ -165,5 +165,8 @@ def move_path(cache: KVCache, base: jnp.ndarray, path: jnp.ndarray) -> KVCache:
     rows = jnp.arange(path.shape[0])[:, None]
     src = base[:, None] + path
     dst = base[:, None] + jnp.arange(path.shape[1])[None, :]
-    move = lambda layer: layer.at[rows, dst].set(layer[rows, src], mode="drop")  # noqa: E731
-    return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    if isinstance(cache.k, tuple):  # one array per layer
+        move = lambda a: a.at[rows, dst].set(a[rows, src], mode="drop")  # noqa: E731
+        return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    move = lambda a: a.at[:, rows, dst].set(a[:, rows, src], mode="drop")  # noqa: E731  # stacked
+    return cache.replace(k=move(cache.k), v=move(cache.v))
