@@ -64,7 +64,8 @@ def time_generate(torch, model, batch: int, prompt_len: int, new_tokens: int, as
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--shape", required=True)
+    p.add_argument("--shape")
+    p.add_argument("--copy-only", action="store_true", help="only measure the copy bandwidth")
     p.add_argument("--draft-shape")
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     device = "cuda"
     result = {"torch": torch.__version__, "transformers": transformers.__version__,
               "copy_bandwidth": copy_bandwidth(torch, device), "rows": []}
+    if args.copy_only:
+        print(json.dumps(result))
+        return 0
     model = build(torch, args.shape, device)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         result["rows"].append(time_generate(torch, model, b, args.prompt_len, args.new_tokens))

@@ -71,7 +71,8 @@ def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:
 
 def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attention: str):
     capacity = cache_capacity(batch.tokens.shape[1], max_out, 0)
-    key = ("plain", model.config, model.dtype, batch.tokens.shape, capacity, max_out, greedy_only, attention)
+    key = ("plain", model.config, jax.tree.structure(model.weights), model.dtype, batch.tokens.shape, capacity,
+           max_out, greedy_only, attention)
     return _executable(key, lambda: decode.lower(
         model.weights, batch, config=model.config, capacity=capacity, max_out=max_out,
         greedy_only=greedy_only, attention=attention,
@@ -81,8 +82,8 @@ def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attentio
 def _speculative(target: Model, draft: Model, tree: Tree, batch: Batch, max_out: int, greedy_only: bool, attention: str):
     # Slack for the tree's nodes written past the committed length.
     capacity = cache_capacity(batch.tokens.shape[1], max_out, len(tree) + 1)
-    key = ("spec", target.config, draft.config, target.dtype, draft.dtype, batch.tokens.shape,
-           capacity, max_out, tree, greedy_only, attention)
+    key = ("spec", target.config, draft.config, jax.tree.structure((target.weights, draft.weights)),
+           target.dtype, draft.dtype, batch.tokens.shape, capacity, max_out, tree, greedy_only, attention)
     return _executable(key, lambda: speculative_decode.lower(
         target.weights, draft.weights, batch, target_config=target.config, draft_config=draft.config,
         capacity=capacity, max_out=max_out, tree=tree, greedy_only=greedy_only, attention=attention,

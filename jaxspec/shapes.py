@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jaxspec.config import ModelConfig, config_from_hf
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
-from jaxspec.model import LayerWeights, Weights, arrange_layers, fuse_mlp
+from jaxspec import model as engine_model
+from jaxspec.model import LayerWeights, Weights
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -95,8 +96,8 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0) -> Weights:
         key, sub = jax.random.split(key)
         return _random(sub, shape=shape, dtype=jnp.dtype(dtype), norm=norm)
 
-    shapes = layer_shapes(c, fuse_mlp())
-    layers = arrange_layers(tuple(
+    shapes = layer_shapes(c, engine_model.fuse_mlp())
+    layers = engine_model.arrange_layers(tuple(
         LayerWeights(**{name: make(shape, norm=name.endswith("norm")) for name, shape in shapes.items()})
         for _ in range(c.num_layers)
     ))

@@ -1,0 +1,62 @@
+"""`jaxspec bench --shape`: named shapes build the engine's real layout with random weights, and
+the benchmark runs end to end (tiny shape, CPU) and writes the rows it prints."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers
+
+import jaxspec
+from jaxspec.cli import main as cli_main
+from jaxspec.errors import InputError
+from jaxspec.shapes import SHAPES, random_model, shape_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_unknown_shape_is_a_clear_error():
+    with pytest.raises(InputError, match=r"shape 'llama9-1t' is unknown; named shapes: .*llama3-8b"):
+        shape_config("llama9-1t")
+
+
+def test_named_shapes_are_the_real_configs():
+    c = shape_config("llama3-8b")
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.vocab_size) == (4096, 32, 32, 8, 128256)
+    assert c.rope.rope_type == "llama3" and c.eos_token_ids == ()
+    assert shape_config("llama3.2-1b").tie_word_embeddings and shape_config("qwen2.5-7b").qkv_bias
+
+
+@pytest.mark.parametrize("name", ["tiny"])
+def test_random_weights_have_the_layout_of_a_loaded_checkpoint(tmp_path, name):
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**SHAPES[name])
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    loaded, made = jaxspec.load(tmp_path, dtype="float32"), random_model(name, "float32")
+    assert jax.tree.structure(made.weights) == jax.tree.structure(loaded.weights)
+    for a, b in zip(jax.tree.leaves(made.weights), jax.tree.leaves(loaded.weights)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+
+def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--shape", "tiny", "--draft-shape", "tiny", "--no-hf", "--parts", "plain,forward,spec",
+                     "--prompt-lens", "32", "--new-tokens", "8", "--batch-sizes", "1", "--verify-sizes", "1",
+                     "--spec-k", "1", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["part"], r.get("role"), r.get("size")): r for r in result["rows"]}
+    assert set(rows) == {("plain", None, None), ("forward", "target", "t=1"), ("forward", "target", "t=2"),
+                         ("forward", "draft", "t=1"), ("forward", "draft", "t=2"), ("draft_step", None, None),
+                         ("spec", None, None)}
+    plain = rows[("plain", None, None)]
+    assert plain["ms_per_step"] > 0 and plain["floor_ms"] > 0 and plain["batch"] == 1
+    assert plain["bytes_per_step"] > sum(a.nbytes for a in jax.tree.leaves(random_model("tiny").weights.layers))
+    spec = rows[("spec", None, None)]
+    assert 1 <= spec["rounds"] <= 7 and spec["ms_per_round"] > 0
+    assert np.isclose(spec["draft_ms"] + spec["verify_ms"],
+                      rows[("forward", "draft", "t=2")]["ms"] + rows[("forward", "target", "t=2")]["ms"])
+    assert result["ceilings"]["copy_bandwidth_jax"] > 0 and result["ceilings"]["bf16_matmul_flops"] > 0
+    assert "| spec round | K=1" in capsys.readouterr().out

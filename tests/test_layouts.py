@@ -1,0 +1,70 @@
+"""The accelerator layout (layers unrolled over separate arrays, gate/up fused) computes what the
+CPU layout (layers stacked and scanned, gate/up apart) does. CI has no GPU, so the GPU path is
+checked here by switching the layout on the CPU."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec
+import jaxspec.model
+from jaxspec.cache import KVCache
+from jaxspec.defaults import CHECKPOINTS
+from jaxspec.model import LayerWeights, forward
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+HF = CHECKPOINTS / "hf"
+
+
+@pytest.fixture(scope="module")
+def gpu_layout_pair():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jaxspec.model, "scan_layers", lambda: False)
+        mp.setattr(jaxspec.model, "fuse_mlp", lambda: True)
+        pair = (jaxspec.load(HF / "code-target-16m", dtype="float32"),
+                jaxspec.load(HF / "code-draft-4m", dtype="float32"))
+        yield pair
+
+
+def test_layouts_are_what_they_say(real_pair, gpu_layout_pair):
+    cpu, gpu = real_pair[0], gpu_layout_pair[0]
+    c = cpu.config
+    assert isinstance(cpu.weights.layers, LayerWeights) and cpu.weights.layers.wqkv.shape[0] == c.num_layers
+    assert isinstance(cpu.weights.layers.w_gate_up, tuple)
+    assert isinstance(gpu.weights.layers, tuple) and len(gpu.weights.layers) == c.num_layers
+    assert gpu.weights.layers[0].w_gate_up.shape == (c.hidden_size, 2, c.intermediate_size)
+    # The same numbers, rearranged: layer 3's fused q/k/v and gate/up.
+    np.testing.assert_array_equal(gpu.weights.layers[3].wqkv, cpu.weights.layers.wqkv[3])
+    np.testing.assert_array_equal(gpu.weights.layers[3].w_gate_up[:, 0], cpu.weights.layers.w_gate_up[0][3])
+    np.testing.assert_array_equal(gpu.weights.layers[3].w_gate_up[:, 1], cpu.weights.layers.w_gate_up[1][3])
+
+
+def test_logits_match(real_pair, gpu_layout_pair):
+    tokens = np.random.default_rng(0).integers(1, 8000, (2, 24)).astype(np.int32)
+    out = []
+    for model, stacked in ((real_pair[0], True), (gpu_layout_pair[0], False)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jaxspec.model, "scan_layers", lambda s=stacked: s)
+            cache = KVCache.create(model.config, 2, 64, model.dtype)
+        assert isinstance(cache.k, tuple) != stacked
+        logits, _ = jax.jit(forward, static_argnames="config")(model.weights, model.config, tokens, cache)
+        out.append(np.asarray(logits))
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_draft_tokens": 3}, {"tree": "binary-3"},
+                                {"attention": "pallas", "tree": "binary-3"}], ids=["plain", "K=3", "tree", "tree-pallas"])
+def test_greedy_output_matches(real_pair, gpu_layout_pair, humaneval20, kw):
+    prompts = humaneval20[:3]
+    n = 12 if kw.get("attention") == "pallas" else 32  # the kernel runs in interpret mode here
+    with_draft = bool(kw) and kw != {"attention": "pallas"}
+    outs = []
+    for target, draft in (real_pair, gpu_layout_pair):
+        with pytest.MonkeyPatch.context() as mp:
+            stacked = isinstance(target.weights.layers, LayerWeights)
+            mp.setattr(jaxspec.model, "scan_layers", lambda s=stacked: s)
+            outs.append(jaxspec.generate(prompts, target, draft if with_draft else None, max_new_tokens=n,
+                                         max_batch_size=4, warn_below_acceptance=0.0, **kw))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert a.stats == b.stats
