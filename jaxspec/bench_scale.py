@@ -262,9 +262,10 @@ def run_scale_bench(args) -> int:
         emit(row)
     result["machine"] = machine()
     print(f"machine: {result['machine']}", flush=True)
-    bw = jax_copy_bandwidth()
+    cpu = jax.default_backend() == "cpu"  # probes sized for a GPU would take minutes there
+    bw = jax_copy_bandwidth(0.25 if cpu else 4.0)
     bw_torch = result.get("hf", {}).get("copy_bandwidth")
-    rate = matmul_rate()
+    rate = matmul_rate(1024 if cpu else 8192)
     result["ceilings"] = {"copy_bandwidth_jax": bw, "copy_bandwidth_torch": bw_torch, "bf16_matmul_flops": rate}
     bw = max(bw, bw_torch or 0)
     result["ceilings"]["floor_bandwidth"] = bw
