@@ -27,11 +27,13 @@ class KVCache:
         return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[2]
 
     @classmethod
-    def create(cls, config: ModelConfig, batch: int, capacity: int, dtype) -> "KVCache":
+    def create(cls, config: ModelConfig, batch: int, capacity: int, dtype, stacked: bool | None = None) -> "KVCache":
+        """stacked: one array over all layers, as stacked weights want; default: this backend's
+        layout (model.scan_layers)."""
         from jaxspec.model import scan_layers
 
         shape = (batch, capacity, config.num_kv_heads, config.head_dim)
-        if scan_layers():
+        if scan_layers() if stacked is None else stacked:
             make = lambda: jnp.zeros((config.num_layers,) + shape, dtype)  # noqa: E731
         else:
             make = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731

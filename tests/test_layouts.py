@@ -43,9 +43,7 @@ def test_logits_match(real_pair, gpu_layout_pair):
     tokens = np.random.default_rng(0).integers(1, 8000, (2, 24)).astype(np.int32)
     out = []
     for model, stacked in ((real_pair[0], True), (gpu_layout_pair[0], False)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(jaxspec.model, "scan_layers", lambda s=stacked: s)
-            cache = KVCache.create(model.config, 2, 64, model.dtype)
+        cache = KVCache.create(model.config, 2, 64, model.dtype, stacked=stacked)
         assert isinstance(cache.k, tuple) != stacked
         logits, _ = jax.jit(forward, static_argnames="config")(model.weights, model.config, tokens, cache)
         out.append(np.asarray(logits))
@@ -59,12 +57,9 @@ def test_greedy_output_matches(real_pair, gpu_layout_pair, humaneval20, kw):
     prompts = humaneval20[:3]
     n = 12 if kw.get("attention") == "pallas" else 32  # the kernel runs in interpret mode here
     outs = []
-    for target, draft in (real_pair, gpu_layout_pair):
-        with pytest.MonkeyPatch.context() as mp:
-            stacked = isinstance(target.weights.layers, LayerWeights)
-            mp.setattr(jaxspec.model, "scan_layers", lambda s=stacked: s)
-            outs.append(jaxspec.generate(prompts, target, draft, max_new_tokens=n,
-                                         max_batch_size=4, warn_below_acceptance=0.0, **kw))
+    for target, draft in (real_pair, gpu_layout_pair):  # the caches follow the weights' layout
+        outs.append(jaxspec.generate(prompts, target, draft, max_new_tokens=n, max_batch_size=4,
+                                     warn_below_acceptance=0.0, **kw))
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert a.stats == b.stats
