@@ -103,7 +103,7 @@ def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention
     tokens = jnp.ones((batch, t), jnp.int32)
     positions = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     mask = jnp.asarray(chunk_mask)
-    cache = KVCache.create(model.config, batch, cap, model.dtype)
+    cache = KVCache.create(model.config, batch, cap, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
     state = {"cache": cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))}
 
     def run():  # the loop donates the cache and hands it back for the next call
