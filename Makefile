@@ -35,8 +35,10 @@ convert: checkpoints/code-target-16m/jaxspec.json checkpoints/code-draft-4m/jaxs
 demo: convert
 	$(BIN)/jaxspec generate "$(PROMPT)" --draft checkpoints/code-draft-4m --num-draft-tokens 3 --max-new-tokens 96
 
+# Two workers for the correctness tests, then the speed-comparing ones (marked timing) alone.
 test: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 -m "not timing"
+	$(BIN)/python -m pytest -q -m timing
 
 clean:
 	rm -rf $(VENV) checkpoints/code-target-16m checkpoints/code-draft-4m

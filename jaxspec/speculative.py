@@ -67,18 +67,20 @@ def _pick(logits: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray, gree
 def draft_chain(
     weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray,
     prev: jnp.ndarray, last: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray,
-    greedy_only: bool,
+    greedy_only: bool, attention: str = "xla",
 ):
     """Proposes K tokens per row (K = keys.shape[1]); returns (tokens [b, K], q [b, K, v] or
     None, cache)."""
     cache = cache.replace(lengths=n - 2)
-    logits, cache = forward(weights, config, jnp.stack([prev, last], axis=1), cache)
-    token, q = _pick(logits[:, 1], sampling, keys[:, 0], greedy_only)
+    at_last = jnp.ones(n.shape, jnp.int32)  # logits of `last` only
+    logits, cache = forward(weights, config, jnp.stack([prev, last], axis=1), cache, attention=attention,
+                            logits_at=at_last)
+    token, q = _pick(logits[:, 0], sampling, keys[:, 0], greedy_only)
     cache = cache.replace(lengths=n)
 
     def step(carry, step_keys):
         cache, token = carry
-        logits, cache = forward(weights, config, token[:, None], cache)
+        logits, cache = forward(weights, config, token[:, None], cache, attention=attention)
         cache = cache.replace(lengths=cache.lengths + 1)
         token, q = _pick(logits[:, 0], sampling, step_keys, greedy_only)
         return (cache, token), (token, q)
@@ -102,7 +104,7 @@ def _chain_round(target_weights, draft_weights, target_config, draft_config, bat
     keys = jax.vmap(lambda k: jax.random.split(k, 2 * K + 1))(row_keys(batch.seeds, s.num_generated))
     drafts, q, d_cache = draft_chain(
         draft_weights, draft_config, s.draft_cache, n, s.prev_token, s.last_token,
-        batch.sampling, keys[:, :K], greedy_only,
+        batch.sampling, keys[:, :K], greedy_only, attention,
     )
     verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
     t_cache = s.target_cache.replace(lengths=n - 1)
@@ -124,7 +126,7 @@ def _tree_round(target_weights, draft_weights, target_config, draft_config, batc
     keys = jax.vmap(lambda k: jax.random.split(k, 2 * t + 1))(row_keys(batch.seeds, s.num_generated))
     tokens, q, d_cache = draft_tree(
         draft_weights, draft_config, s.draft_cache, n, s.prev_token, s.last_token, plan,
-        batch.sampling, keys[:, :t], greedy_only,
+        batch.sampling, keys[:, :t], greedy_only, attention,
     )
     positions = (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]
     t_cache = s.target_cache.replace(lengths=n - 1)

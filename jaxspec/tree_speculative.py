@@ -70,9 +70,12 @@ class TreePlan:
 def draft_tree(
     weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray, prev: jnp.ndarray,
     last: jnp.ndarray, plan: TreePlan, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool,
+    attention: str = "xla",
 ):
     """Fills the tree level by level. Each pass re-reads [s[n-2], tree nodes] (the first entry
-    fills the draft cache's possible hole, as in chain drafting) under the ancestor mask.
+    fills the draft cache's possible hole, as in chain drafting) under the ancestor mask, and
+    rewrites all of their cache slots, so each level takes the cache the last one left (handing
+    every level the round's first cache made XLA copy it per layer and level).
 
     Returns (tokens [b, t] with tokens[:, 0] = last, q [b, t, v] the draft distribution each
     node was drawn from (None when greedy_only), cache)."""
@@ -87,13 +90,17 @@ def draft_tree(
     q_all = None if greedy_only else jnp.zeros((b, t, config.vocab_size), jnp.float32)
     cache = cache.replace(lengths=n - 2)
     for d in range(1, plan.max_depth + 1):
-        logits, new_cache = forward(
-            weights, config, jnp.concatenate([prev[:, None], tokens], axis=1), cache, positions, jnp.asarray(mask)
-        )
         nodes = plan.level(d)
-        parent_logits = logits[:, 1 + np.asarray(plan.parents)[nodes]]  # [b, m, v]
+        # The head and top_k run only at this level's parents (a few rows of a 128K vocabulary).
+        parents = np.unique(np.asarray(plan.parents)[nodes])
+        logits, cache = forward(
+            weights, config, jnp.concatenate([prev[:, None], tokens], axis=1), cache, positions, jnp.asarray(mask),
+            attention=attention, logits_at=jnp.broadcast_to(jnp.asarray(1 + parents, jnp.int32), (b, parents.size)),
+        )  # [b, parents, v]
+        of_node = np.searchsorted(parents, np.asarray(plan.parents)[nodes])  # each node's parent row
+        parent_logits = logits[:, of_node]  # [b, m, v]
+        top = jax.lax.top_k(logits, plan.max_children)[1][:, of_node]  # [b, m, c]
         ranks = jnp.asarray(np.asarray(plan.rank)[nodes])
-        top = jax.lax.top_k(parent_logits, plan.max_children)[1]  # [b, m, c]
         greedy = jnp.take_along_axis(top, ranks[None, :, None], axis=2)[..., 0].astype(jnp.int32)
         if greedy_only:
             chosen = greedy
@@ -104,7 +111,7 @@ def draft_tree(
             chosen = jnp.where((sampling.temperature > 0)[:, None], drawn, greedy)
             q_all = q_all.at[:, nodes].set(jax.nn.softmax(filtered, axis=-1))
         tokens = tokens.at[:, nodes].set(chosen)
-    return tokens, q_all, new_cache
+    return tokens, q_all, cache
 
 
 def path_to(plan: TreePlan, best: jnp.ndarray) -> jnp.ndarray:

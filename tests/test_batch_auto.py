@@ -67,6 +67,7 @@ def check_lossless(out: Path, target, prompts, max_new: int) -> list[dict]:
     return list(got.values())
 
 
+@pytest.mark.timing
 def test_auto_falls_back_to_plain_with_a_random_draft(tmp_path, target, random_draft):
     src = job_file(tmp_path / "in.jsonl", CODE)
     out = tmp_path / "out.jsonl"
@@ -89,6 +90,7 @@ def test_auto_falls_back_to_plain_with_a_random_draft(tmp_path, target, random_d
         "plain", "speculative K=2", "speculative K=3", "tree binary-3"}
 
 
+@pytest.mark.timing
 def test_auto_picks_speculation_with_the_real_pair_on_code(tmp_path, target, draft):
     src = job_file(tmp_path / "in.jsonl", CODE)
     out = tmp_path / "out.jsonl"

@@ -39,15 +39,26 @@ def test_layouts_are_what_they_say(real_pair, gpu_layout_pair):
     np.testing.assert_array_equal(gpu.weights.layers[3].w_gate_up[:, 1], cpu.weights.layers.w_gate_up[1][3])
 
 
+def _logits(model, tokens, stacked):
+    cache = KVCache.create(model.config, tokens.shape[0], 64, model.dtype, stacked=stacked)
+    assert isinstance(cache.k, tuple) != stacked
+    logits, _ = jax.jit(forward, static_argnames="config")(model.weights, model.config, tokens, cache)
+    return np.asarray(logits)
+
+
 def test_logits_match(real_pair, gpu_layout_pair):
     tokens = np.random.default_rng(0).integers(1, 8000, (2, 24)).astype(np.int32)
-    out = []
-    for model, stacked in ((real_pair[0], True), (gpu_layout_pair[0], False)):
-        cache = KVCache.create(model.config, 2, 64, model.dtype, stacked=stacked)
-        assert isinstance(cache.k, tuple) != stacked
-        logits, _ = jax.jit(forward, static_argnames="config")(model.weights, model.config, tokens, cache)
-        out.append(np.asarray(logits))
-    np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5)
+    cpu, gpu = _logits(real_pair[0], tokens, True), _logits(gpu_layout_pair[0], tokens, False)
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_pass_matches_a_two_row_pass(real_pair, gpu_layout_pair):
+    """The accelerator layout pads one-row products with a zero row (model._project): the padded
+    pass gives what the same row gives beside another in the CPU layout (also a two-row product)."""
+    tokens = np.array([[1234], [77]], np.int32)
+    two_rows = _logits(real_pair[0], tokens, True)
+    one_row = _logits(gpu_layout_pair[0], tokens[:1], False)
+    np.testing.assert_allclose(one_row[0], two_rows[0], rtol=1e-5, atol=1e-5)
 
 
 # Plain decoding runs the same forward (test_logits_match) and the same prefill (both here).
@@ -56,9 +67,10 @@ def test_logits_match(real_pair, gpu_layout_pair):
 def test_greedy_output_matches(real_pair, gpu_layout_pair, humaneval20, kw):
     prompts = humaneval20[:3]
     n = 12 if kw.get("attention") == "pallas" else 32  # the kernel runs in interpret mode here
+    rows = 4 if kw.get("tree") else 1  # one row: the chain's one-token draft passes pad a row
     outs = []
     for target, draft in (real_pair, gpu_layout_pair):  # the caches follow the weights' layout
-        outs.append(jaxspec.generate(prompts, target, draft, max_new_tokens=n, max_batch_size=4,
+        outs.append(jaxspec.generate(prompts, target, draft, max_new_tokens=n, max_batch_size=rows,
                                      warn_below_acceptance=0.0, **kw))
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
