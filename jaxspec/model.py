@@ -212,13 +212,14 @@ def _einsum(spec: str, a, b, **kwargs):
     return jnp.einsum(spec, a, b, precision=precision, **kwargs)
 
 
-def _project(spec: str, x, w, pad_row: bool, **kwargs):
-    """A weight matmul of activations x [b, t, ...]. pad_row (one-row products on accelerators):
-    XLA's GPU simplifier rewrites a vector-matrix product with a matrix under 10M elements into
+def _project(spec: str, x, w, pad_one_row: bool, **kwargs):
+    """A weight matmul of activations x [b, t, ...]. pad_one_row (the accelerators' layout): XLA's
+    GPU simplifier rewrites a vector-matrix product with a matrix under 10M elements into
     multiply + reduce kernels, which ran the 1B draft's q/k/v and o projections far below the
     memory bandwidth (a one-token pass took 1.24 ms against 1.01 ms for two, H200). A zero row
-    keeps the product on the GEMM path; the barrier stops the simplifier from seeing through it."""
-    if not pad_row:
+    keeps a one-row product on the GEMM path; the barrier stops the simplifier from seeing
+    through it."""
+    if not (pad_one_row and x.shape[0] * x.shape[1] == 1):
         return _einsum(spec, x, w, **kwargs)
     padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))
     return _einsum(spec, padded, w, **kwargs)[:, :1]
@@ -244,11 +245,11 @@ def _xla_attention(c: ModelConfig, q, keys, values, mask):
     return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
 
 
-def _gate_up(h, w, bias, pad_row: bool):
+def _gate_up(h, w, bias, pad_one_row: bool):
     """(gate, up) [b, t, f] from fused or separate weights (see fuse_mlp)."""
     if isinstance(w, tuple):
-        return tuple(_add(_project("btd,df->btf", h, wi, pad_row), bi) for wi, bi in zip(w, bias or (None, None)))
-    gate_up = _add(_project("btd,dcf->btcf", h, w, pad_row), bias)
+        return tuple(_add(_project("btd,df->btf", h, wi, pad_one_row), bi) for wi, bi in zip(w, bias or (None, None)))
+    gate_up = _add(_project("btd,dcf->btcf", h, w, pad_one_row), bias)
     return gate_up[:, :, 0], gate_up[:, :, 1]
 
 
@@ -262,26 +263,26 @@ def _write(cache, layer, rows, slots, new):
     and one row stops its loop when it finishes. (In the CPU's scan a slice update of the stacked
     cache made plain decoding 2x slower: it stays a scatter there.)"""
     new = new.astype(cache.dtype)
-    if layer is None and new.shape[0] == 1:
-        cache = lax.dynamic_update_slice(cache, new, (0, slots[0, 0], 0, 0))
-        return cache, cache
     if layer is None:
-        cache = cache.at[rows, slots].set(new, mode="drop")
+        if new.shape[0] == 1:
+            cache = lax.dynamic_update_slice(cache, new, (0, slots[0, 0], 0, 0))
+        else:
+            cache = cache.at[rows, slots].set(new, mode="drop")
         return cache, cache
     cache = cache.at[layer, rows, slots].set(new, mode="drop")
     return cache, cache[layer]
 
 
-def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_row: bool, lengths,
+def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, lengths,
            w: LayerWeights, x, cache_k, cache_v, layer=None):
     """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
     [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
-    pad_row: see _project."""
+    pad_one_row: see _project."""
     b, t, _ = x.shape
     g = c.queries_per_kv
 
     h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_row), w.bqkv)  # j: g queries, key, value
+    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row), w.bqkv)  # j: g queries, key, value
     q = qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim)
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if c.qk_norm:
@@ -307,12 +308,12 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, 
                               interpret=interpret)
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    x = x + _add(_project("bthk,hkd->btd", attn, w.wo, pad_row), w.bo)
+    x = x + _add(_project("bthk,hkd->btd", attn, w.wo, pad_one_row), w.bo)
 
     h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
-    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_row)
+    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row)
     act = jax.nn.silu(gate) * up
-    x = x + _add(_project("btf,fd->btd", act, w.w_down, pad_row), w.b_down)
+    x = x + _add(_project("btf,fd->btd", act, w.w_down, pad_one_row), w.b_down)
     return x, cache_k, cache_v
 
 
@@ -345,8 +346,7 @@ def forward(
 
     x = weights.embed[tokens]
     unrolled = isinstance(weights.layers, tuple)  # the accelerators' layout (see Weights)
-    pad_row = unrolled and b * t == 1
-    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, pad_row, cache.lengths)
+    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, unrolled, cache.lengths)
     if unrolled:  # unrolled over separate arrays
         new_k, new_v = [], []
         for i, (w, cache_k, cache_v) in enumerate(zip(weights.layers, cache.k, cache.v)):
@@ -368,9 +368,8 @@ def forward(
         at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
         x = jnp.take_along_axis(x, at[:, :, None], axis=1)
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
-    pad_row = unrolled and x.shape[0] * x.shape[1] == 1
     if weights.lm_head is None:
-        logits = _project("btd,vd->btv", x, weights.embed, pad_row, preferred_element_type=jnp.float32)
+        logits = _project("btd,vd->btv", x, weights.embed, unrolled, preferred_element_type=jnp.float32)
     else:
-        logits = _project("btd,dv->btv", x, weights.lm_head, pad_row, preferred_element_type=jnp.float32)
+        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, preferred_element_type=jnp.float32)
     return logits, cache.replace(k=new_k, v=new_v)
