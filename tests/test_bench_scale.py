@@ -41,6 +41,9 @@ def test_random_weights_have_the_layout_of_a_loaded_checkpoint(tmp_path, name):
         assert a.shape == b.shape and a.dtype == b.dtype
 
 
+# Timing: ms per round is decode time less a separately timed prefill, which a second test
+# worker on the same two cores can push below zero (seen once in CI at repeats 1).
+@pytest.mark.timing
 def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli_main(["bench", "--shape", "tiny", "--draft-shape", "tiny", "--no-hf", "--parts", "plain,forward,spec",
