@@ -8,8 +8,10 @@ rejected tokens need no erasing: later writes overwrite them.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
 
 from jaxspec.config import ModelConfig
 
@@ -27,18 +29,20 @@ class KVCache:
         return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[2]
 
     @classmethod
-    def create(cls, config: ModelConfig, batch: int, capacity: int, dtype, stacked: bool | None = None) -> "KVCache":
+    def create(cls, config: ModelConfig, batch: int, capacity: int, dtype, stacked: bool | None = None,
+               mesh=None) -> "KVCache":
         """stacked: one array over all layers, as stacked weights want; default: this backend's
-        layout (model.scan_layers)."""
-        from jaxspec.model import scan_layers
+        layout (model.scan_layers). mesh: the tensor-parallel mesh of the weights (Weights.mesh),
+        to split the cache by kv heads as they are; None keeps it whole."""
+        from jaxspec.model import cache_specs, scan_layers
 
         shape = (batch, capacity, config.num_kv_heads, config.head_dim)
         if scan_layers() if stacked is None else stacked:
             make = lambda: jnp.zeros((config.num_layers,) + shape, dtype)  # noqa: E731
         else:
             make = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
-        return cls(
-            k=make(),
-            v=make(),
-            lengths=jnp.zeros((batch,), jnp.int32),
-        )
+        cache = cls(k=make(), v=make(), lengths=jnp.zeros((batch,), jnp.int32))
+        if mesh is None:
+            return cache
+        shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), cache_specs(cache))
+        return jax.lax.with_sharding_constraint(cache, shardings)

@@ -132,11 +132,12 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
     return fields
 
 
-def _abstract_fields(config: ModelConfig, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None) -> dict[str, jax.ShapeDtypeStruct]:
     out = {}
     for spec in param_specs(config):
         shape = ((config.num_layers,) if spec.per_layer else ()) + spec.shape
-        out[spec.field] = jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+        sharding = None if shardings is None else shardings[spec.field]
+        out[spec.field] = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
     return out
 
 
@@ -167,7 +168,9 @@ def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_
     return out_dir
 
 
-def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
+def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict | None = None) -> dict:
+    """field -> array: host arrays, or with `shardings` (field -> jax.sharding.Sharding) device
+    arrays restored straight into those shards (each host reads only its own devices' part)."""
     ckpt_dir = Path(ckpt_dir).absolute()
     try:
         marker = json.loads((ckpt_dir / MARKER).read_text())
@@ -175,12 +178,12 @@ def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig) -> dict[str, np.n
         raise CheckpointError(f"{ckpt_dir / MARKER} is missing or corrupt: {e}") from None
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
-    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]))
+    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings)
     try:
         restored = _checkpointer().restore(ckpt_dir / "weights", target)
     except Exception as e:
         raise CheckpointError(f"cannot restore Orbax weights from {ckpt_dir / 'weights'}: {e}") from None
-    return {k: np.asarray(v) for k, v in restored.items()}
+    return restored if shardings is not None else {k: np.asarray(v) for k, v in restored.items()}
 
 
 def is_converted(path: str | Path) -> bool:

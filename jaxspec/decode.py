@@ -58,7 +58,7 @@ def is_eos(tokens: jnp.ndarray, eos_ids: tuple[int, ...]) -> jnp.ndarray:
 def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, dtype):
     """Runs the prompts; returns (logits of each row's last prompt token [b, v], cache)."""
     b = batch.tokens.shape[0]
-    cache = KVCache.create(config, b, capacity, dtype, stacked=not isinstance(weights.layers, tuple))
+    cache = KVCache.create(config, b, capacity, dtype, stacked=not isinstance(weights.layers, tuple), mesh=weights.mesh)
     logits, cache = forward(weights, config, batch.tokens, cache, logits_at=jnp.maximum(batch.prompt_lens - 1, 0))
     return logits[:, 0], cache.replace(lengths=batch.prompt_lens)
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jaxspec.checkpoint import is_converted, read_checkpoint, read_hf_weights
 from jaxspec.config import ModelConfig, load_config
 from jaxspec.errors import CheckpointError, InputError
-from jaxspec.model import Weights, weights_from_fields
+from jaxspec.model import Weights, field_shardings, weights_from_fields
+from jaxspec.sharding import check_tensor_parallel, make_mesh, serving_config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -29,6 +30,11 @@ class Model:
     name: str  # folder name, logged as the model id
     path: Path
     dtype: jnp.dtype
+    mesh: object = None  # the jax.sharding.Mesh its arrays are on (split or whole); None: the default device
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.weights.mesh is None else self.weights.mesh.size
 
 
 def _load_tokenizer(path: Path):
@@ -39,10 +45,13 @@ def _load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
+def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel: int = 1) -> Model:
     """Loads a model folder: converted (has jaxspec.json) or HF (config.json + *.safetensors).
 
     dtype: compute dtype, "float32" / "bfloat16" / "float16"; default float32 on CPU, bf16 on GPU.
+    tensor_parallel: split the model over this many devices (the first N of jax.devices(), over
+    all hosts under jax.distributed), by heads, ffn columns and vocabulary (jaxspec.sharding).
+    A converted checkpoint is restored straight into each device's shards.
     """
     path = Path(path)
     if not path.is_dir():
@@ -53,6 +62,34 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None) -> Model:
         dtype = DTYPES[dtype]
     dtype = jnp.dtype(dtype or default_dtype())
     config = load_config(path)
-    fields = read_checkpoint(path, config) if is_converted(path) else read_hf_weights(path, config)
-    weights = weights_from_fields(config, fields, dtype)
-    return Model(config, weights, _load_tokenizer(path), path.name, path, dtype)
+    tp = check_tensor_parallel(config, tensor_parallel, path.name)
+    mesh = make_mesh(tp) if tp > 1 else None
+    if is_converted(path):
+        fields = read_checkpoint(path, config, None if mesh is None else field_shardings(config, mesh))
+    else:
+        fields = read_hf_weights(path, config)
+    weights = weights_from_fields(config, fields, dtype, mesh)
+    return Model(serving_config(config, tp), weights, _load_tokenizer(path), path.name, path, dtype, mesh)
+
+
+def replicated_on(model: Model, mesh) -> Model:
+    """`model` whole on every device of `mesh` (a small draft beside a split target), so one
+    compiled graph runs both. A model already on that mesh is returned as it is."""
+    from jaxspec.sharding import replicate
+
+    if model.mesh == mesh:
+        return model
+    if model.mesh is not None or mesh is None:
+        sizes = lambda m: 1 if m is None else m.size  # noqa: E731
+        raise InputError(
+            f"model {model.name!r} is on {sizes(model.mesh)} device(s) and the model it runs with on a different "
+            f"set of {sizes(mesh)}: load the draft with tensor_parallel 1 or the target's, never more than the target's"
+        )
+    key = (model, mesh)
+    if key not in _replicas:
+        _replicas.clear()  # one replica at a time: a long job reuses it, a new pair replaces it
+        _replicas[key] = dataclasses.replace(model, weights=replicate(model.weights, mesh), mesh=mesh)
+    return _replicas[key]
+
+
+_replicas: dict = {}

@@ -16,8 +16,11 @@ import numpy as np
 from jax import lax
 from flax import struct
 
+from jax.sharding import Mesh, PartitionSpec
+
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
+from jaxspec.sharding import CACHE_AXES, TP, kv_repeats, local_config, named, put, spec, vocab_parallel
 from jaxspec.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -56,6 +59,40 @@ class Weights:
     layers: tuple[LayerWeights, ...] | LayerWeights  # per layer, or stacked [L, ...] (scan_layers)
     final_norm: jnp.ndarray  # [d]
     lm_head: jnp.ndarray | None = None  # [d, v]; None when tied to embed
+    # The "tp" mesh the arrays are split over (jaxspec.sharding); None: whole on each device.
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+
+
+# Logical axes of the engine-layout arrays (jaxspec.sharding maps them to the mesh); the split
+# gate/up of the CPU layout (fuse_mlp) drops the fused pair's axis.
+LAYER_AXES = {
+    "attn_norm": (None,), "wqkv": (None, "kv_heads", None, None), "wo": ("heads", None, None),
+    "mlp_norm": (None,), "w_gate_up": (None, None, "ffn"), "w_down": ("ffn", None),
+    "bqkv": ("kv_heads", None, None), "bo": (None,), "q_norm": (None,), "k_norm": (None,),
+    "b_gate_up": (None, "ffn"), "b_down": (None,),
+}
+SPLIT_MLP_AXES = {"w_gate_up": (None, "ffn"), "b_gate_up": ("ffn",)}
+TOP_AXES = {"embed": ("vocab", None), "final_norm": (None,), "lm_head": (None, "vocab")}
+
+
+def weight_specs(weights: Weights, vocab_parallel: bool = True) -> Weights:
+    """A PartitionSpec for every array of `weights` (a Weights of specs, for shard_map)."""
+    stacked = not isinstance(weights.layers, tuple)
+
+    def layer_specs(layer: LayerWeights) -> LayerWeights:
+        out = {}
+        for f in dataclasses.fields(LayerWeights):
+            value = getattr(layer, f.name)
+            if isinstance(value, tuple):
+                out[f.name] = tuple(spec(SPLIT_MLP_AXES[f.name], stacked) for _ in value)
+            elif value is not None:
+                out[f.name] = spec(LAYER_AXES[f.name], stacked)
+        return LayerWeights(**out)
+
+    top = {name: spec(axes if vocab_parallel else (None,) * len(axes))
+           for name, axes in TOP_AXES.items() if getattr(weights, name) is not None}
+    layers = layer_specs(weights.layers) if stacked else tuple(map(layer_specs, weights.layers))
+    return Weights(layers=layers, mesh=weights.mesh, **top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +104,7 @@ class ParamSpec:
     hf_shape: tuple[int, ...]
     shape: tuple[int, ...]  # engine shape (per layer for layers.*)
     transpose: bool  # HF stores [out, in]; we keep [in, out]
+    axes: tuple = ()  # logical axes of `shape` (jaxspec.sharding); () replicated
 
     @property
     def per_layer(self) -> bool:
@@ -79,25 +117,25 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
     )
     p = "model.layers.{i}."
     specs = [
-        ParamSpec("embed", "model.embed_tokens.weight", (v, d), (v, d), False),
+        ParamSpec("embed", "model.embed_tokens.weight", (v, d), (v, d), False, ("vocab", None)),
         ParamSpec("final_norm", "model.norm.weight", (d,), (d,), False),
         ParamSpec("layers.attn_norm", p + "input_layernorm.weight", (d,), (d,), False),
-        ParamSpec("layers.wq", p + "self_attn.q_proj.weight", (h * k, d), (d, h, k), True),
-        ParamSpec("layers.wk", p + "self_attn.k_proj.weight", (n * k, d), (d, n, k), True),
-        ParamSpec("layers.wv", p + "self_attn.v_proj.weight", (n * k, d), (d, n, k), True),
-        ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True),
+        ParamSpec("layers.wq", p + "self_attn.q_proj.weight", (h * k, d), (d, h, k), True, (None, "heads", None)),
+        ParamSpec("layers.wk", p + "self_attn.k_proj.weight", (n * k, d), (d, n, k), True, (None, "kv_heads", None)),
+        ParamSpec("layers.wv", p + "self_attn.v_proj.weight", (n * k, d), (d, n, k), True, (None, "kv_heads", None)),
+        ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True, ("heads", None, None)),
         ParamSpec("layers.mlp_norm", p + "post_attention_layernorm.weight", (d,), (d,), False),
-        ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True),
-        ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True),
-        ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True),
+        ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True, (None, "ffn")),
+        ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True, (None, "ffn")),
+        ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True, ("ffn", None)),
     ]
     if not c.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head", "lm_head.weight", (v, d), (d, v), True))
+        specs.append(ParamSpec("lm_head", "lm_head.weight", (v, d), (d, v), True, (None, "vocab")))
     if c.qkv_bias:
         specs += [
-            ParamSpec("layers.bq", p + "self_attn.q_proj.bias", (h * k,), (h, k), False),
-            ParamSpec("layers.bk", p + "self_attn.k_proj.bias", (n * k,), (n, k), False),
-            ParamSpec("layers.bv", p + "self_attn.v_proj.bias", (n * k,), (n, k), False),
+            ParamSpec("layers.bq", p + "self_attn.q_proj.bias", (h * k,), (h, k), False, ("heads", None)),
+            ParamSpec("layers.bk", p + "self_attn.k_proj.bias", (n * k,), (n, k), False, ("kv_heads", None)),
+            ParamSpec("layers.bv", p + "self_attn.v_proj.bias", (n * k,), (n, k), False, ("kv_heads", None)),
         ]
     if c.o_bias:
         specs.append(ParamSpec("layers.bo", p + "self_attn.o_proj.bias", (d,), (d,), False))
@@ -108,8 +146,8 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
         ]
     if c.mlp_bias:
         specs += [
-            ParamSpec("layers.b_gate", p + "mlp.gate_proj.bias", (f,), (f,), False),
-            ParamSpec("layers.b_up", p + "mlp.up_proj.bias", (f,), (f,), False),
+            ParamSpec("layers.b_gate", p + "mlp.gate_proj.bias", (f,), (f,), False, ("ffn",)),
+            ParamSpec("layers.b_up", p + "mlp.up_proj.bias", (f,), (f,), False, ("ffn",)),
             ParamSpec("layers.b_down", p + "mlp.down_proj.bias", (d,), (d,), False),
         ]
     return specs
@@ -137,34 +175,80 @@ def fuse_mlp() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def fuse_layer(c: ModelConfig, f: dict[str, np.ndarray], mlp: bool) -> dict[str, np.ndarray]:
+def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     """One layer's fields as param_specs names them ("wq", "bk", ...) -> LayerWeights fields;
-    mlp: fuse gate and up too (see fuse_mlp)."""
+    mlp: fuse gate and up too (see fuse_mlp). Host or (sharded) device arrays in, device arrays
+    out: split by kv heads, q/k/v stay split the same way."""
     n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
     out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down")
            if name in f}
-    out["wqkv"] = np.concatenate(
+    out["wqkv"] = jnp.concatenate(
         [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
-    out["w_gate_up"] = np.stack([f["w_gate"], f["w_up"]], axis=1) if mlp else (f["w_gate"], f["w_up"])
+    out["w_gate_up"] = jnp.stack([f["w_gate"], f["w_up"]], axis=1) if mlp else (f["w_gate"], f["w_up"])
     if "bq" in f:
-        out["bqkv"] = np.concatenate([f["bq"].reshape(n, g, k), f["bk"][:, None], f["bv"][:, None]], axis=1)
+        out["bqkv"] = jnp.concatenate([f["bq"].reshape(n, g, k), f["bk"][:, None], f["bv"][:, None]], axis=1)
     if "b_gate" in f:
-        out["b_gate_up"] = np.stack([f["b_gate"], f["b_up"]]) if mlp else (f["b_gate"], f["b_up"])
+        out["b_gate_up"] = jnp.stack([f["b_gate"], f["b_up"]]) if mlp else (f["b_gate"], f["b_up"])
     return out
 
 
-def weights_from_fields(config: ModelConfig, fields: dict[str, np.ndarray], dtype) -> Weights:
-    """{"embed": ..., "layers.wq": [L, ...], ...} host arrays (checkpoint layout, layers stacked)
-    -> Weights on the default device in `dtype`, one layer at a time."""
-    put = lambda a: jax.tree.map(lambda x: jnp.asarray(x, dtype), a)  # noqa: E731
+def field_shardings(config: ModelConfig, mesh: Mesh | None) -> dict:
+    """field -> where a checkpoint-layout array goes (None: the default device)."""
+    tp = 1 if mesh is None else mesh.size
+    vocab_split = vocab_parallel(config, tp)
+    out = {}
+    for p in param_specs(config):
+        axes = p.axes or (None,) * len(p.shape)
+        if (p.field in TOP_AXES and not vocab_split) or (config.num_kv_heads % tp and "kv_heads" in axes):
+            axes = (None,) * len(axes)  # whole vocabulary; kv heads to be repeated (kv_repeats)
+        out[p.field] = named(mesh, spec(axes, stacked=p.per_layer))
+    return out
+
+
+def place(weights: Weights, config: ModelConfig, mesh: Mesh | None) -> Weights:
+    """Weights with every array on its shards of `mesh` (a no-op where already there), and the
+    mesh recorded when it splits them (more than one device)."""
+    if mesh is None:
+        return weights
+    weights = weights.replace(mesh=mesh if mesh.size > 1 else None)
+    specs = weight_specs(weights, vocab_parallel(config, mesh.size))
+    return jax.tree.map(lambda a, p: put(a, named(mesh, p)), weights, specs)
+
+
+def repeat_kv_heads(a, r: int):
+    """Fused q/k/v [..., n, g + 2, k] -> [..., n * r, g / r + 2, k]: each kv head r times, each
+    copy with the next g / r of its queries (the order of wo's heads is unchanged)."""
+    if r == 1:
+        return a
+    *lead, n, j, k = a.shape
+    g = j - 2
+    q = a[..., :g, :].reshape(*lead, n, r, g // r, k)
+    kv = jnp.broadcast_to(a[..., None, g:, :], (*lead, n, r, 2, k))
+    return jnp.concatenate([q, kv], axis=-2).reshape(*lead, n * r, g // r + 2, k)
+
+
+def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None) -> Weights:
+    """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked; host arrays,
+    or device arrays already on their shards) -> Weights in `dtype`, split over `mesh` (None: on
+    the default device; the weights then run with serving_config(config, mesh.size)). Each device
+    only ever receives its own shards."""
+    r = kv_repeats(config, 1 if mesh is None else mesh.size)
+    shardings = field_shardings(config, mesh)
     mlp = fuse_mlp()
-    stacked = {name.split(".", 1)[1]: a for name, a in fields.items() if name.startswith("layers.")}
-    layers = arrange_layers(tuple(
-        LayerWeights(**{name: put(a) for name, a in fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp).items()})
-        for i in range(config.num_layers)
-    ))
-    top = {name: put(a) for name, a in fields.items() if not name.startswith("layers.")}
-    return Weights(layers=layers, **top)
+    stacked = {}
+    top = {}
+    for name, a in fields.items():
+        a = put(a, shardings[name]).astype(dtype)
+        if name.startswith("layers."):
+            stacked[name.split(".", 1)[1]] = a
+        else:
+            top[name] = a
+    layers = []
+    for i in range(config.num_layers):
+        fused = fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
+        fused |= {name: repeat_kv_heads(fused[name], r) for name in ("wqkv", "bqkv") if name in fused}
+        layers.append(LayerWeights(**fused))
+    return place(Weights(layers=arrange_layers(tuple(layers)), **top), config, mesh)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -273,11 +357,13 @@ def _write(cache, layer, rows, slots, new):
     return cache, cache[layer]
 
 
-def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, lengths,
+def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis, lengths,
            w: LayerWeights, x, cache_k, cache_v, layer=None):
     """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
     [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
-    pad_one_row: see _project."""
+    pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
+    ffn columns (c is then the shard's config): the o and down products are summed over it."""
+    total = (lambda y: y) if axis is None else (lambda y: lax.psum(y, axis))  # noqa: E731
     b, t, _ = x.shape
     g = c.queries_per_kv
 
@@ -308,12 +394,12 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, 
                               interpret=interpret)
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    x = x + _add(_project("bthk,hkd->btd", attn, w.wo, pad_one_row), w.bo)
+    x = x + _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row)), w.bo)
 
     h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
     gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row)
     act = jax.nn.silu(gate) * up
-    x = x + _add(_project("btf,fd->btd", act, w.w_down, pad_one_row), w.b_down)
+    x = x + _add(total(_project("btf,fd->btd", act, w.w_down, pad_one_row)), w.b_down)
     return x, cache_k, cache_v
 
 
@@ -331,22 +417,60 @@ def forward(
     cache with their K/V written).
 
     The cache's lengths are not advanced: the caller commits what it keeps. The layers run
-    unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights.
+    unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights. Weights split
+    over a mesh (weights.mesh) run per shard under shard_map; the cache is split by kv heads.
     """
     b, t = tokens.shape
     if positions is None:
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if chunk_mask is None:
         chunk_mask = jnp.tril(jnp.ones((t, t), bool))
+    inputs = (tokens, positions, chunk_mask, logits_at)
+    if weights.mesh is None:
+        return _forward(config, attention, None, weights, cache, *inputs)
+    tp = weights.mesh.size
+    run = jax.shard_map(
+        functools.partial(_forward, local_config(config, tp), attention, TP),
+        mesh=weights.mesh,
+        in_specs=(weight_specs(weights, vocab_parallel(config, tp)), cache_specs(cache)) + (PartitionSpec(),) * 4,
+        out_specs=(PartitionSpec(), cache_specs(cache)),
+        check_vma=False,  # the Pallas kernel's outputs carry no replication annotations
+    )
+    return run(weights, cache, *inputs)
+
+
+def cache_specs(cache: KVCache) -> KVCache:
+    """The cache split by kv heads (jaxspec.sharding.CACHE_AXES), lengths whole."""
+    if isinstance(cache.k, tuple):
+        per_layer = tuple(spec(CACHE_AXES) for _ in cache.k)
+        return KVCache(k=per_layer, v=per_layer, lengths=PartitionSpec())
+    return KVCache(k=spec(CACHE_AXES, stacked=True), v=spec(CACHE_AXES, stacked=True), lengths=PartitionSpec())
+
+
+def _embed(table, tokens, axis, vocab_size: int):
+    """Rows of the embedding. Split by vocabulary over `axis`, each shard gives the rows it holds
+    and zeros elsewhere, and the sum over shards puts every row together."""
+    if axis is None or table.shape[0] == vocab_size:  # whole on each device
+        return table[tokens]
+    rows = table.shape[0]
+    local = tokens - lax.axis_index(axis) * rows
+    held = (local >= 0) & (local < rows)
+    return lax.psum(jnp.where(held[..., None], table[jnp.clip(local, 0, rows - 1)], 0), axis)
+
+
+def _forward(config, attention, axis, weights, cache, tokens, positions, chunk_mask, logits_at):
+    """forward on whole weights (axis None), or on one shard of them (config: the shard's)."""
+    t = tokens.shape[1]
     pallas = use_pallas(attention, config, t, cache.capacity)
     mask = None if pallas else attention_mask(
         cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window
     )
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
-    x = weights.embed[tokens]
+    x = _embed(weights.embed, tokens, axis, config.vocab_size)
     unrolled = isinstance(weights.layers, tuple)  # the accelerators' layout (see Weights)
-    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, unrolled, cache.lengths)
+    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, unrolled, axis,
+                              cache.lengths)
     if unrolled:  # unrolled over separate arrays
         new_k, new_v = [], []
         for i, (w, cache_k, cache_v) in enumerate(zip(weights.layers, cache.k, cache.v)):
@@ -372,4 +496,6 @@ def forward(
         logits = _project("btd,vd->btv", x, weights.embed, unrolled, preferred_element_type=jnp.float32)
     else:
         logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, preferred_element_type=jnp.float32)
+    if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
+        logits = lax.all_gather(logits, axis, axis=2, tiled=True)
     return logits, cache.replace(k=new_k, v=new_v)

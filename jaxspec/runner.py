@@ -13,6 +13,7 @@ from jaxspec.decode import FINISH_REASONS, Batch, decode
 from jaxspec.loading import Model
 from jaxspec.requests import Request
 from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import replicate
 from jaxspec.speculative import speculative_decode
 from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
 from jaxspec.trees import Tree, chain
@@ -71,7 +72,7 @@ def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:
 
 def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attention: str):
     capacity = cache_capacity(batch.tokens.shape[1], max_out, 0)
-    key = ("plain", model.config, jax.tree.structure(model.weights), model.dtype, batch.tokens.shape, capacity,
+    key = ("plain", model.config, jax.tree.structure(model.weights), model.mesh, model.dtype, batch.tokens.shape, capacity,
            max_out, greedy_only, attention)
     return _executable(key, lambda: decode.lower(
         model.weights, batch, config=model.config, capacity=capacity, max_out=max_out,
@@ -82,7 +83,7 @@ def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attentio
 def _speculative(target: Model, draft: Model, tree: Tree, batch: Batch, max_out: int, greedy_only: bool, attention: str):
     # Slack for the tree's nodes written past the committed length.
     capacity = cache_capacity(batch.tokens.shape[1], max_out, len(tree) + 1)
-    key = ("spec", target.config, draft.config, jax.tree.structure((target.weights, draft.weights)),
+    key = ("spec", target.config, draft.config, jax.tree.structure((target.weights, draft.weights)), target.mesh,
            target.dtype, draft.dtype, batch.tokens.shape, capacity, max_out, tree, greedy_only, attention)
     return _executable(key, lambda: speculative_decode.lower(
         target.weights, draft.weights, batch, target_config=target.config, draft_config=draft.config,
@@ -124,7 +125,8 @@ def run(
         reqs = [requests[i] for i in group]
         prompt_len = bucket(max(len(r.token_ids) for r in reqs))
         max_out = bucket(max(r.max_new_tokens for r in reqs))
-        batch = make_batch(reqs, bucket(len(reqs), 1), prompt_len, target.config.pad_token_id)
+        # Whole on every device of the target's mesh: every process passes the same batch.
+        batch = replicate(make_batch(reqs, bucket(len(reqs), 1), prompt_len, target.config.pad_token_id), target.mesh)
         greedy_only = all(r.sampling.greedy for r in reqs)
         if draft is None:
             (exe, spent), call = _plain(target, batch, max_out, greedy_only, attention)
