@@ -47,8 +47,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     p.add_argument("--json", help="also write all results to this JSON file")
     from jaxspec.bench_scale import add_scale_args
+    from jaxspec.distributed import add_parallel_args
 
     add_scale_args(p)
+    add_parallel_args(p)
 
 
 def machine() -> dict:
@@ -178,8 +180,8 @@ def run_bench(args) -> int:
 
     target_path = Path(args.target or embedded_model(DEFAULT_TARGET))
     draft_path = Path(args.draft or embedded_model(DEFAULT_DRAFT))
-    target = jaxspec.load(target_path, dtype=args.dtype)
-    draft = jaxspec.load(draft_path, dtype=args.dtype)
+    target = jaxspec.load(target_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    draft = jaxspec.load(draft_path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
     ids = [target.tokenizer.encode(p) for p in load_prompts(limit=args.prompts)]
     info = machine()
     print(f"machine: {info}")

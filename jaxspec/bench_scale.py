@@ -103,8 +103,12 @@ def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention
     tokens = jnp.ones((batch, t), jnp.int32)
     positions = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     mask = jnp.asarray(chunk_mask)
-    cache = KVCache.create(model.config, batch, cap, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
-    state = {"cache": cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))}
+    cache = KVCache.create(model.config, batch, cap, model.dtype, stacked=not isinstance(model.weights.layers, tuple),
+                           mesh=model.weights.mesh)
+    # lengths placed as the loop hands them back (over a mesh: whole on each device), or the
+    # second call would compile the loop again for another input sharding
+    lengths = jax.device_put(jnp.full((batch,), prefix, jnp.int32), cache.lengths.sharding)
+    state = {"cache": cache.replace(lengths=lengths)}
 
     def run():  # the loop donates the cache and hands it back for the next call
         state["cache"], acc = _forward_loop(model.weights, state["cache"], tokens, positions, mask,
@@ -133,8 +137,9 @@ def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int) -> float:
 
 
 def _kv_bytes(model, batch: int, length: float) -> float:
+    """Cache bytes one step reads on each device (split by kv heads over the model's devices)."""
     c = model.config
-    return batch * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    return batch * length * c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize / model.tensor_parallel
 
 
 def _generate(prompts, target, draft, new_tokens, repeats, attention, **kw):
@@ -235,6 +240,7 @@ def run_hf_peer(args, copy_only: bool = False) -> dict:
 def run_scale_bench(args) -> int:
     from jaxspec.bench import machine
     from jaxspec.generate import resolve_attention
+    from jaxspec.loading import replicated_on
     from jaxspec.shapes import random_model, step_weight_bytes
 
     parts = set(args.parts.split(","))
@@ -274,10 +280,13 @@ def run_scale_bench(args) -> int:
 
     dtype = args.dtype or "bfloat16"
     t0 = time.perf_counter()
-    target = random_model(args.shape, dtype, args.seed)
+    target = random_model(args.shape, dtype, args.seed, args.tensor_parallel)
     jax.block_until_ready(target.weights)
-    draft = random_model(args.draft_shape, dtype, args.seed + 1) if args.draft_shape else None
-    result["models"] = {m.name: {"bytes": step_weight_bytes(m)} for m in (target, draft) if m}
+    draft = None
+    if args.draft_shape:
+        draft = replicated_on(random_model(args.draft_shape, dtype, args.seed + 1, args.draft_tensor_parallel), target.mesh)
+    result["models"] = {m.name: {"bytes_per_device": step_weight_bytes(m), "tensor_parallel": m.tensor_parallel}
+                        for m in (target, draft) if m}
     print(f"random weights made in {time.perf_counter() - t0:.1f} s: {result['models']}", flush=True)
     P, N, R = args.prompt_lens[0], args.new_tokens, args.repeats
 

@@ -19,6 +19,7 @@ from jaxspec.errors import InputError
 from jaxspec.loading import Model
 from jaxspec import model as engine_model
 from jaxspec.model import LayerWeights, Weights
+from jaxspec.sharding import check_tensor_parallel, make_mesh, named, serving_config, spec, vocab_parallel
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -78,38 +79,58 @@ def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
     return shapes
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "norm"))
-def _random(key, *, shape, dtype, norm: bool):
-    if norm:
-        return jnp.ones(shape, dtype)
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+@functools.lru_cache(maxsize=None)
+def _maker(shape: tuple, dtype, norm: bool, sharding):
+    """A jitted maker of one random array, written straight into its shards (a 70B model does not
+    fit one device)."""
+    def make(key):
+        if norm:
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.jit(make) if sharding is None else jax.jit(make, out_shardings=sharding)
 
 
-def random_weights(c: ModelConfig, dtype, seed: int = 0) -> Weights:
-    """Weights of config c, made on the default device one array at a time (no host copy)."""
+def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None) -> Weights:
+    """Weights of config c (the serving config: kv heads already repeated for mesh), made on the
+    default device, or split over `mesh`, one array at a time (no host copy)."""
     key = jax.random.PRNGKey(seed)
+    tp = 1 if mesh is None else mesh.size
 
-    def make(shape, norm=False):
+    def make(shape, axes, norm=False):
         nonlocal key
-        if isinstance(shape[0], tuple):  # gate and up apart
-            return tuple(make(s, norm) for s in shape)
         key, sub = jax.random.split(key)
-        return _random(sub, shape=shape, dtype=jnp.dtype(dtype), norm=norm)
+        if not vocab_parallel(c, tp) and "vocab" in axes:
+            axes = (None,) * len(axes)
+        return _maker(shape, jnp.dtype(dtype), norm, named(mesh, spec(axes)))(sub)
 
-    shapes = layer_shapes(c, engine_model.fuse_mlp())
-    layers = engine_model.arrange_layers(tuple(
-        LayerWeights(**{name: make(shape, norm=name.endswith("norm")) for name, shape in shapes.items()})
-        for _ in range(c.num_layers)
-    ))
+    mlp = engine_model.fuse_mlp()
+
+    def layer():
+        out = {}
+        for name, shape in layer_shapes(c, mlp).items():
+            if isinstance(shape[0], tuple):  # gate and up apart
+                out[name] = tuple(make(s, engine_model.SPLIT_MLP_AXES[name]) for s in shape)
+            else:
+                out[name] = make(shape, engine_model.LAYER_AXES[name], norm=name.endswith("norm"))
+        return LayerWeights(**out)
+
+    layers = engine_model.arrange_layers(tuple(layer() for _ in range(c.num_layers)))
     d, v = c.hidden_size, c.vocab_size
-    head = None if c.tie_word_embeddings else make((d, v))
-    return Weights(embed=make((v, d)), layers=layers, final_norm=make((d,), norm=True), lm_head=head)
+    top = engine_model.TOP_AXES
+    head = None if c.tie_word_embeddings else make((d, v), top["lm_head"])
+    weights = Weights(embed=make((v, d), top["embed"]), layers=layers, final_norm=make((d,), top["final_norm"], norm=True),
+                      lm_head=head)
+    return engine_model.place(weights, c, mesh)
 
 
-def random_model(name: str, dtype="bfloat16", seed: int = 0) -> Model:
+def random_model(name: str, dtype="bfloat16", seed: int = 0, tensor_parallel: int = 1) -> Model:
+    """A named shape with random weights, split over tensor_parallel devices."""
     config = shape_config(name)
+    tp = check_tensor_parallel(config, tensor_parallel, name)
+    config = serving_config(config, tp)
+    mesh = make_mesh(tp) if tp > 1 else None
     dtype = jnp.dtype(dtype)
-    return Model(config, random_weights(config, dtype, seed), None, name, Path(name), dtype)
+    return Model(config, random_weights(config, dtype, seed, mesh), None, name, Path(name), dtype, mesh)
 
 
 def weight_bytes(weights: Weights) -> int:
@@ -117,7 +138,7 @@ def weight_bytes(weights: Weights) -> int:
 
 
 def step_weight_bytes(model: Model) -> int:
-    """Weight bytes one decode step must read: all, less an untied embedding table (a gather
-    reads only the rows of the step's tokens)."""
+    """Weight bytes one decode step must read on each device: all, less an untied embedding table
+    (a gather reads only the rows of the step's tokens), over the devices that split them."""
     untied_embed = 0 if model.config.tie_word_embeddings else model.weights.embed.nbytes
-    return weight_bytes(model.weights) - untied_embed
+    return (weight_bytes(model.weights) - untied_embed) // model.tensor_parallel
