@@ -1,8 +1,13 @@
 """Fixtures shared across test modules: the embedded real model pair and HumanEval prompts."""
 
+import jax
 import pytest
 
-import jaxspec
+# Four CPU devices for the tensor-parallel tests (before any JAX computation); everything else
+# runs on the first, as it would with one.
+jax.config.update("jax_num_cpu_devices", 4)
+
+import jaxspec  # noqa: E402
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.humaneval import load_prompts
 

@@ -1,0 +1,125 @@
+"""Tensor parallelism on the CPU's virtual devices (conftest makes 4): a model split over 2 or 4
+devices gives the greedy tokens it gives whole, token for token in float32; its arrays are
+really split; a size the heads cannot take is a clear error."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec
+import jaxspec.model
+from jaxspec.cache import KVCache
+from jaxspec.checkpoint import convert_hf_checkpoint
+from jaxspec.defaults import CHECKPOINTS
+from tiny_models import save_tiny
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+HF = CHECKPOINTS / "hf"
+PROMPTS = ["def fibonacci(n):", "import numpy as np\n\ndef mean(xs):\n    ", "class Stack:\n    def push(self, x):"]
+
+
+def _tokens(outs):
+    return [c.token_ids for c in outs]
+
+
+def _shard_shape(a):
+    return a.addressable_shards[0].data.shape
+
+
+@pytest.fixture(scope="module")
+def split_pair(tmp_path_factory):
+    """The embedded target converted and restored straight into 2 shards; the draft whole."""
+    converted = convert_hf_checkpoint(HF / "code-target-16m", tmp_path_factory.mktemp("tp") / "code-target-16m")
+    return jaxspec.load(converted, dtype="float32", tensor_parallel=2), jaxspec.load(HF / "code-draft-4m", dtype="float32")
+
+
+def test_embedded_pair_split_two_ways_decodes_the_same_tokens(real_pair, split_pair):
+    target, draft = real_pair
+    split, _ = split_pair
+    kw = dict(max_new_tokens=40)
+    assert _tokens(jaxspec.generate(PROMPTS, split, **kw)) == _tokens(jaxspec.generate(PROMPTS, target, **kw))
+    whole = jaxspec.generate(PROMPTS, target, draft, num_draft_tokens=3, **kw)
+    spec = jaxspec.generate(PROMPTS, split, draft, num_draft_tokens=3, **kw)
+    assert _tokens(spec) == _tokens(whole)
+    assert [c.stats.accepted_per_position for c in spec] == [c.stats.accepted_per_position for c in whole]
+    tree = jaxspec.generate(PROMPTS[:2], split, draft, tree="binary-3", **kw)
+    assert _tokens(tree) == _tokens(jaxspec.generate(PROMPTS[:2], target, draft, tree="binary-3", **kw))
+
+
+def test_restored_shards_are_split(split_pair):
+    split, draft = split_pair
+    c, w = split.config, split.weights
+    assert split.tensor_parallel == 2 and w.mesh.size == 2
+    # The CPU layout: layers stacked; q/k/v by kv heads, o and down by rows, gate/up by columns.
+    assert w.layers.wqkv.shape[2] == c.num_kv_heads and _shard_shape(w.layers.wqkv)[2] == c.num_kv_heads // 2
+    assert _shard_shape(w.layers.wo)[1] == c.num_heads // 2
+    assert _shard_shape(w.layers.w_down)[1] == c.intermediate_size // 2
+    assert all(_shard_shape(a)[2] == c.intermediate_size // 2 for a in w.layers.w_gate_up)
+    assert _shard_shape(w.embed) == (c.vocab_size // 2, c.hidden_size)  # vocabulary-parallel (tied head)
+    assert _shard_shape(w.layers.attn_norm) == w.layers.attn_norm.shape  # norms whole
+    cache = KVCache.create(c, 2, 64, split.dtype, mesh=w.mesh)
+    assert _shard_shape(cache.k)[3] == c.num_kv_heads // 2
+    assert draft.mesh is None  # generate() replicates it over the target's devices
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_tp")
+    return {
+        # 4 query heads over 2 kv heads: split 2 ways by kv heads, 4 ways with each repeated twice.
+        "gqa": save_tiny(root / "gqa", "llama", {}),
+        # one kv head, tied head: every split repeats it.
+        "mqa": save_tiny(root / "mqa", "llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+        "qwen3": save_tiny(root / "qwen3", "qwen3", dict(head_dim=32)),
+        # biases, and a vocabulary (386) that 4 does not divide: embedding and head stay whole.
+        "qwen2": save_tiny(root / "qwen2", "qwen2", dict(vocab_size=386)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "qwen3", "qwen2"])
+def test_tiny_models_split_two_and_four_ways(tiny_dirs, name):
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    whole = jaxspec.load(tiny_dirs[name], dtype="float32")
+    want = _tokens(jaxspec.generate(prompts, whole, max_new_tokens=24))
+    for tp in (2, 4):
+        split = jaxspec.load(tiny_dirs[name], dtype="float32", tensor_parallel=tp)
+        assert _tokens(jaxspec.generate(prompts, split, max_new_tokens=24)) == want, f"tensor_parallel {tp}"
+        n = split.config.num_kv_heads
+        assert n == max(whole.config.num_kv_heads, tp)  # repeated past their count
+        assert _shard_shape(split.weights.layers.wqkv)[2] == n // tp
+        vocab_split = whole.config.vocab_size % tp == 0
+        assert _shard_shape(split.weights.embed)[0] == whole.config.vocab_size // (tp if vocab_split else 1)
+
+
+def test_gpu_layout_and_pallas_kernel_per_shard(tiny_dirs):
+    """The accelerators' layout (layers unrolled, gate/up fused), speculative with the fused
+    Pallas kernel running on each shard (interpret mode), against the whole model."""
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jaxspec.model, "scan_layers", lambda: False)
+        mp.setattr(jaxspec.model, "fuse_mlp", lambda: True)
+        whole = jaxspec.load(tiny_dirs["gqa"], dtype="float32")
+        split = jaxspec.load(tiny_dirs["gqa"], dtype="float32", tensor_parallel=2)
+        draft = jaxspec.load(tiny_dirs["mqa"], dtype="float32", tensor_parallel=2)  # split too
+        assert isinstance(split.weights.layers, tuple)
+        assert _shard_shape(split.weights.layers[0].w_gate_up)[2] == whole.config.intermediate_size // 2
+        kw = dict(max_new_tokens=20, num_draft_tokens=3, attention="pallas")
+        assert _tokens(jaxspec.generate(prompts, split, draft, **kw)) == _tokens(
+            jaxspec.generate(prompts, whole, jaxspec.load(tiny_dirs["mqa"], dtype="float32"), **kw))
+
+
+def test_sizes_the_heads_cannot_take_are_clear_errors():
+    with pytest.raises(jaxspec.InputError, match=r"tensor_parallel 4 cannot split code-target-16m: num_heads 6, "
+                                                 r"num_kv_heads 2.*Allowed on these 4 devices: \[1, 2\]"):
+        jaxspec.load(HF / "code-target-16m", tensor_parallel=4)
+    with pytest.raises(jaxspec.InputError, match="tensor_parallel 8 needs 8 devices; 4 are visible"):
+        jaxspec.load(HF / "code-target-16m", tensor_parallel=8)
+    with pytest.raises(jaxspec.InputError, match="tensor_parallel must be an integer >= 1; got 0"):
+        jaxspec.load(HF / "code-target-16m", tensor_parallel=0)
+
+
+def test_a_draft_split_wider_than_its_target_is_a_clear_error(real_pair, split_pair):
+    target, _ = real_pair
+    split, _ = split_pair
+    with pytest.raises(jaxspec.InputError, match="model .code-target-16m. is on 2 device"):
+        jaxspec.generate(PROMPTS[:1], target, split, max_new_tokens=4)
