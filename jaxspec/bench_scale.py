@@ -252,8 +252,8 @@ def run_scale_bench(args) -> int:
     attention = resolve_attention(args.attention)
     result = {"args": vars(args), "rows": []}
 
-    def save():
-        if args.json:
+    def save():  # process 0 writes (every process measures the same graphs under jax.distributed)
+        if args.json and jax.process_index() == 0:
             Path(args.json).write_text(json.dumps(result, indent=2, default=str))
 
     def emit(row):

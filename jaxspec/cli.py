@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
+from jaxspec.distributed import add_parallel_args, initialize, is_main_process
 from jaxspec.errors import JaxspecError
 
 
@@ -51,13 +52,16 @@ def run_generate(args) -> int:
         prompts += [json.loads(line)["prompt"] for line in Path(args.file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise JaxspecError("give at least one prompt: PROMPT arguments or --file")
-    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype)
-    draft = jaxspec.load(args.draft, dtype=args.dtype) if args.draft else None
+    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype,
+                          tensor_parallel=args.tensor_parallel)
+    draft = jaxspec.load(args.draft, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel) if args.draft else None
     outs = jaxspec.generate(
         prompts, target, draft, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens,
         tree=args.tree, attention=args.attention,
     )
+    if not is_main_process():  # every process has the same completions; the first prints them
+        return 0
     for prompt, out in zip(prompts, outs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
@@ -131,6 +135,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="summary plot PNG path (default: OUT.png)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_parallel_args(p)
 
 
 @contextlib.contextmanager
@@ -167,8 +172,10 @@ def run_batch(args) -> int:
     if not Path(args.input).is_file():
         raise JaxspecError(f"input file {args.input} does not exist")
     check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
-    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype)
-    draft = None if args.no_draft else jaxspec.load(args.draft or embedded_model(DEFAULT_DRAFT), dtype=args.dtype)
+    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype,
+                          tensor_parallel=args.tensor_parallel)
+    draft = None if args.no_draft else jaxspec.load(args.draft or embedded_model(DEFAULT_DRAFT), dtype=args.dtype,
+                                                    tensor_parallel=args.draft_tensor_parallel)
     with _jaxspec_logging():
         summary = run_job(
             args.input, args.output, target, draft, num_draft_tokens=args.num_draft_tokens,
@@ -204,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
     add_sampling_args(p)
+    add_parallel_args(p)
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser(
@@ -224,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "coordinator", None) and args.func is run_batch:
+            raise JaxspecError("a batch job runs in one process: split the model over this host's devices with "
+                               "--tensor-parallel (jaxspec generate and jaxspec bench run across hosts)")
+        if hasattr(args, "coordinator"):
+            initialize(args)  # joins the other processes first, as jax.distributed requires
         return args.func(args)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)
