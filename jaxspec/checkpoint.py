@@ -79,8 +79,9 @@ def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
     return out
 
 
-def read_hf_weights(hf_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Reads and validates a HF safetensors checkpoint; returns engine-layout fields, source dtype.
+def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
+    """Reads and validates a HF safetensors checkpoint; returns engine-layout fields in `dtype`
+    (None: the source's).
 
     Every tensor's name and shape is checked against what the config implies before any data is
     read; the error names the offending tensor and file.
@@ -112,7 +113,8 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
                 f"tensor {name} in {path.name} has shape {shape}; the config implies {spec.hf_shape}"
             )
 
-    per_layer: dict[str, list] = {}
+    # Each field is allocated once, stacked over layers, and filled tensor by tensor (cast on the
+    # way in): a checkpoint of many shards never sits in host memory twice.
     fields: dict[str, np.ndarray] = {}
     for name, (spec, layer) in expected.items():
         path, handle = found[name]
@@ -123,12 +125,14 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig) -> dict[str, np.nda
         if spec.transpose:
             arr = arr.T
         arr = arr.reshape(spec.shape)
+        if spec.field not in fields:
+            shape = ((config.num_layers,) if layer is not None else ()) + spec.shape
+            fields[spec.field] = np.empty(shape, np.dtype(dtype) if dtype is not None else arr.dtype)
         if layer is None:
-            fields[spec.field] = arr
+            fields[spec.field][...] = arr
         else:
-            per_layer.setdefault(spec.field, [None] * config.num_layers)[layer] = arr
-    for field, arrays in per_layer.items():
-        fields[field] = np.stack(arrays)
+            fields[spec.field][layer] = arr
+        del arr
     return fields
 
 
@@ -196,7 +200,5 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
     if not hf_dir.is_dir():
         raise CheckpointError(f"HF checkpoint folder {hf_dir} does not exist")
     config = load_config(hf_dir)
-    fields = read_hf_weights(hf_dir, config)
-    if dtype is not None:
-        fields = {k: a.astype(jax.numpy.dtype(dtype)) for k, a in fields.items()}
+    fields = read_hf_weights(hf_dir, config, None if dtype is None else jax.numpy.dtype(dtype))
     return write_checkpoint(fields, hf_dir, out_dir)

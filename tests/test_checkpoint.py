@@ -133,3 +133,40 @@ def test_sharded_checkpoint(hf_copy, tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(jaxspec.CheckpointError, match="does not exist"):
         jaxspec.load(tmp_path / "nope")
+
+
+def test_multi_shard_checkpoint_is_read_into_one_copy(tmp_path):
+    """A HF checkpoint in 3 shards (with its index) reads into the same weights, and the host
+    arrays of the read (numpy's allocations, which tracemalloc traces; safetensors hands each
+    tensor over in a JAX buffer, freed once copied) peak at the fields plus one tensor in flight:
+    each field is allocated once, stacked over layers, and filled tensor by tensor."""
+    import tracemalloc
+
+    from jaxspec.config import load_config
+
+    src = CHECKPOINTS / "hf" / "code-target-16m"
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    shutil.copytree(src, tmp_path / "sharded", ignore=shutil.ignore_patterns("model.safetensors"))
+    weight_map = {}
+    for i in range(3):
+        part = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({n: tensors[n] for n in names[i::3]}, str(tmp_path / "sharded" / part))
+        weight_map |= {n: part for n in names[i::3]}
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = load_config(src)
+    model_bytes = sum(np.asarray(t).nbytes for t in tensors.values())
+    largest = max(np.asarray(t).nbytes for t in tensors.values())
+    del tensors
+
+    tracemalloc.start()
+    try:
+        fields = read_hf_weights(tmp_path / "sharded", config)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= model_bytes + 2 * largest, (peak, model_bytes)
+    whole = read_hf_weights(src, config)
+    assert fields.keys() == whole.keys()
+    for name in fields:
+        np.testing.assert_array_equal(fields[name], whole[name])

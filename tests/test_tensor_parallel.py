@@ -36,14 +36,14 @@ def split_pair(tmp_path_factory):
 def test_embedded_pair_split_two_ways_decodes_the_same_tokens(real_pair, split_pair):
     target, draft = real_pair
     split, _ = split_pair
-    kw = dict(max_new_tokens=40)
+    kw = dict(max_new_tokens=32)
     assert _tokens(jaxspec.generate(PROMPTS, split, **kw)) == _tokens(jaxspec.generate(PROMPTS, target, **kw))
-    whole = jaxspec.generate(PROMPTS, target, draft, num_draft_tokens=3, **kw)
-    spec = jaxspec.generate(PROMPTS, split, draft, num_draft_tokens=3, **kw)
+    whole = jaxspec.generate(PROMPTS[:2], target, draft, num_draft_tokens=3, **kw)
+    spec = jaxspec.generate(PROMPTS[:2], split, draft, num_draft_tokens=3, **kw)
     assert _tokens(spec) == _tokens(whole)
     assert [c.stats.accepted_per_position for c in spec] == [c.stats.accepted_per_position for c in whole]
-    tree = jaxspec.generate(PROMPTS[:2], split, draft, tree="binary-3", **kw)
-    assert _tokens(tree) == _tokens(jaxspec.generate(PROMPTS[:2], target, draft, tree="binary-3", **kw))
+    tree = jaxspec.generate(PROMPTS[:1], split, draft, tree="binary-3", **kw)
+    assert _tokens(tree) == _tokens(jaxspec.generate(PROMPTS[:1], target, draft, tree="binary-3", **kw))
 
 
 def test_restored_shards_are_split(split_pair):
