@@ -178,13 +178,16 @@ def fuse_mlp() -> bool:
 def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     """One layer's fields as param_specs names them ("wq", "bk", ...) -> LayerWeights fields;
     mlp: fuse gate and up too (see fuse_mlp). Host or (sharded) device arrays in, device arrays
-    out: split by kv heads, q/k/v stay split the same way."""
+    out: split by kv heads, q/k/v stay split the same way. Fields may come a group at a time
+    (FUSED_GROUPS)."""
     n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
     out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down")
            if name in f}
-    out["wqkv"] = jnp.concatenate(
-        [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
-    out["w_gate_up"] = jnp.stack([f["w_gate"], f["w_up"]], axis=1) if mlp else (f["w_gate"], f["w_up"])
+    if "wq" in f:
+        out["wqkv"] = jnp.concatenate(
+            [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
+    if "w_gate" in f:
+        out["w_gate_up"] = jnp.stack([f["w_gate"], f["w_up"]], axis=1) if mlp else (f["w_gate"], f["w_up"])
     if "bq" in f:
         out["bqkv"] = jnp.concatenate([f["bq"].reshape(n, g, k), f["bk"][:, None], f["bv"][:, None]], axis=1)
     if "b_gate" in f:
@@ -227,28 +230,36 @@ def repeat_kv_heads(a, r: int):
     return jnp.concatenate([q, kv], axis=-2).reshape(*lead, n * r, g // r + 2, k)
 
 
+FUSED_GROUPS = (("wq", "wk", "wv", "bq", "bk", "bv"), ("w_gate", "w_up", "b_gate", "b_up"))
+
+
 def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None) -> Weights:
     """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked; host arrays,
     or device arrays already on their shards) -> Weights in `dtype`, split over `mesh` (None: on
     the default device; the weights then run with serving_config(config, mesh.size)). Each device
-    only ever receives its own shards."""
+    only ever receives its own shards.
+
+    Consumes `fields`: each stacked field is dropped once its layers are cut from it, a fused
+    group at a time, so a device holds at most its weights plus one group (gate and up of a 70B
+    split two ways: 38 GB beside its 70 GB)."""
     r = kv_repeats(config, 1 if mesh is None else mesh.size)
     shardings = field_shardings(config, mesh)
     mlp = fuse_mlp()
-    stacked = {}
-    top = {}
-    for name, a in fields.items():
-        a = put(a, shardings[name]).astype(dtype)
-        if name.startswith("layers."):
-            stacked[name.split(".", 1)[1]] = a
-        else:
-            top[name] = a
-    layers = []
-    for i in range(config.num_layers):
-        fused = fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
-        fused |= {name: repeat_kv_heads(fused[name], r) for name in ("wqkv", "bqkv") if name in fused}
-        layers.append(LayerWeights(**fused))
-    return place(Weights(layers=arrange_layers(tuple(layers)), **top), config, mesh)
+    take = lambda name: put(fields.pop(name), shardings[name]).astype(dtype)  # noqa: E731
+    top = {name: take(name) for name in list(fields) if not name.startswith("layers.")}
+    names = [name.split(".", 1)[1] for name in fields]
+    groups = [g for g in FUSED_GROUPS] + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
+    layers = [{} for _ in range(config.num_layers)]
+    for group in groups:
+        stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}
+        for i, layer in enumerate(layers):
+            if stacked:
+                layer |= fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
+        del stacked  # frees the stacked arrays: the layers hold their own slices
+    for layer in layers:
+        layer |= {name: repeat_kv_heads(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
+    layers = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
+    return place(Weights(layers=layers, **top), config, mesh)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
