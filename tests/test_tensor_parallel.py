@@ -151,3 +151,33 @@ def test_two_processes_under_jax_distributed_decode_as_one(real_pair):
     target, draft = real_pair
     want = jaxspec.generate(PROMPTS[:1], target, draft, num_draft_tokens=3, max_new_tokens=24)
     assert [x["token_ids"] for x in printed] == _tokens(want)
+
+
+@pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
+def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, device_kind):
+    """No GPU needed: a forward pass split over an abstract mesh of two MI300X (or H200) lowers,
+    with the fused Pallas kernel as a Triton call on each shard and the layer's all-reduces."""
+    import jax.numpy as jnp
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from jaxspec.model import LayerWeights, Weights, forward
+    from jaxspec.shapes import layer_shapes, shape_config
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU layout, kernel compiled
+    c = shape_config("tiny")
+    mesh = AbstractMesh((2,), ("tp",), abstract_device=AbstractDevice(device_kind, None, platform))
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    layers = tuple(LayerWeights(**{name: sds(shape) for name, shape in layer_shapes(c, True).items()})
+                   for _ in range(c.num_layers))
+    weights = Weights(embed=sds((c.vocab_size, c.hidden_size)), layers=layers, final_norm=sds((c.hidden_size,)),
+                      lm_head=sds((c.hidden_size, c.vocab_size)), mesh=mesh)
+    cache_shape = sds((2, 128, c.num_kv_heads, c.head_dim))
+    cache = KVCache(k=(cache_shape,) * c.num_layers, v=(cache_shape,) * c.num_layers,
+                    lengths=jax.ShapeDtypeStruct((2,), jnp.int32))
+    tokens = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    with use_abstract_mesh(mesh):
+        traced = jax.jit(forward, static_argnames=("config", "attention")).trace(
+            weights, c, tokens, cache, attention="pallas")
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == c.num_layers  # one kernel per layer, per shard
+    assert "all_reduce" in text and "all_gather" in text
