@@ -31,7 +31,7 @@ from jaxspec import report
 from jaxspec.canary import method_name, pick_sample, run_canary, sample_size
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.generate import check_draft
-from jaxspec.loading import Model
+from jaxspec.loading import Model, replicated_on
 from jaxspec.metrics_log import AcceptanceWatch, MetricsLog, low_acceptance_message
 from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_seed, check_token_ids, encode_prompt,
@@ -417,6 +417,7 @@ def run_job(
     if draft is not None:
         for k in (num_draft_tokens, *(auto_ks if auto else ())):
             check_draft(target, draft, k)
+        replicated_on(draft, target.mesh)  # refuses a draft split other than its target, before any work
         for name in auto_trees if auto else ():
             resolve_tree(name)
     if auto:

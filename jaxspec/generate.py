@@ -9,7 +9,7 @@ import logging
 import jax
 
 from jaxspec.errors import InputError
-from jaxspec.loading import Model, replicated_on
+from jaxspec.loading import Model
 from jaxspec.model import ATTENTION_IMPLS
 from jaxspec.trees import chain, resolve_tree
 from jaxspec.requests import (
@@ -105,7 +105,6 @@ def generate(
         raise InputError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
     if draft is not None:
         check_draft(target, draft, num_draft_tokens)
-        draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
         tree = chain(num_draft_tokens) if tree is None else resolve_tree(tree)
     elif tree is not None:
         raise InputError("tree needs a draft model: pass draft=... (or drop tree for plain decoding)")

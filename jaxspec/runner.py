@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxspec.decode import FINISH_REASONS, Batch, decode
-from jaxspec.loading import Model
+from jaxspec.loading import Model, replicated_on
 from jaxspec.requests import Request
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import replicate
@@ -117,6 +117,8 @@ def run(
     chain of num_draft tokens."""
     if draft is not None and tree is None:
         tree = chain(num_draft)
+    if draft is not None:
+        draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
     start = time.perf_counter()
     results: list[Completion | None] = [None] * len(requests)
     compile_s = decode_s = 0.0

@@ -181,3 +181,21 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
         text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == c.num_layers  # one kernel per layer, per shard
     assert "all_reduce" in text and "all_gather" in text
+
+
+def test_batch_job_split_two_ways(tmp_path, real_pair):
+    """`jaxspec batch --tensor-parallel 2`: the target split, the draft whole on both devices,
+    the same tokens as the whole pair."""
+    import json
+
+    from jaxspec.cli import main as cli_main
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    argv = ["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--target", str(HF / "code-target-16m"),
+            "--draft", str(HF / "code-draft-4m"), "--dtype", "float32", "--max-new-tokens", "24",
+            "--num-draft-tokens", "3", "--tensor-parallel", "2", "--no-progress", "--no-plot"]
+    assert cli_main(argv) == 0
+    lines = {x["id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    target, draft = real_pair
+    want = jaxspec.generate(PROMPTS, target, draft, num_draft_tokens=3, max_new_tokens=24)
+    assert [lines[i]["token_ids"] for i in range(len(PROMPTS))] == _tokens(want)
