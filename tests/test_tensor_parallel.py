@@ -158,9 +158,9 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
     """No GPU needed: a forward pass split over an abstract mesh of two MI300X (or H200) lowers,
     with the fused Pallas kernel as a Triton call on each shard and the layer's all-reduces."""
     import jax.numpy as jnp
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec, use_abstract_mesh
 
-    from jaxspec.model import LayerWeights, Weights, forward
+    from jaxspec.model import LayerWeights, Weights, cache_specs, forward, weight_specs
     from jaxspec.shapes import layer_shapes, shape_config
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU layout, kernel compiled
@@ -175,6 +175,11 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
     cache = KVCache(k=(cache_shape,) * c.num_layers, v=(cache_shape,) * c.num_layers,
                     lengths=jax.ShapeDtypeStruct((2,), jnp.int32))
     tokens = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    # Shapes placed as the engine places arrays (JAX 0.11 checks them against shard_map's specs).
+    placed = lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))  # noqa: E731
+    weights = jax.tree.map(placed, weights, weight_specs(weights))
+    cache = jax.tree.map(placed, cache, cache_specs(cache))
+    tokens = placed(tokens, PartitionSpec())
     with use_abstract_mesh(mesh):
         traced = jax.jit(forward, static_argnames=("config", "attention")).trace(
             weights, c, tokens, cache, attention="pallas")
