@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,8 +61,6 @@ def run_generate(args) -> int:
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens,
         tree=args.tree, attention=args.attention,
     )
-    if not is_main_process():  # every process has the same completions; the first prints them
-        return 0
     for prompt, out in zip(prompts, outs):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
@@ -237,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                                "--tensor-parallel (jaxspec generate and jaxspec bench run across hosts)")
         if hasattr(args, "coordinator"):
             initialize(args)  # joins the other processes first, as jax.distributed requires
+        if getattr(args, "coordinator", None) and not is_main_process():
+            # every process computes the same results; process 0 prints them
+            sys.stdout = open(os.devnull, "w")
         return args.func(args)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)

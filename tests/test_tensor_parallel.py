@@ -204,3 +204,18 @@ def test_batch_job_split_two_ways(tmp_path, real_pair):
     target, draft = real_pair
     want = jaxspec.generate(PROMPTS, target, draft, num_draft_tokens=3, max_new_tokens=24)
     assert [lines[i]["token_ids"] for i in range(len(PROMPTS))] == _tokens(want)
+
+
+def test_distributed_flags_are_checked(tmp_path, capsys):
+    from jaxspec.cli import main as cli_main
+
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
+    batch = ["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), "--coordinator", "localhost:1",
+             "--num-processes", "2", "--process-id", "0"]
+    assert cli_main(batch) == 2
+    assert "a batch job runs in one process" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+    assert cli_main(["generate", "x", "--coordinator", "localhost:1"]) == 2
+    assert "--coordinator needs --num-processes N and --process-id I" in capsys.readouterr().err
+    assert cli_main(["generate", "x", "--process-id", "1"]) == 2
+    assert "--num-processes and --process-id need --coordinator HOST:PORT" in capsys.readouterr().err
