@@ -20,7 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.sharding import CACHE_AXES, TP, kv_repeats, local_config, named, put, spec, vocab_parallel
+from jaxspec.sharding import CACHE_AXES, TP, kv_repeats, local_config, named, put, serving_config, spec, split_axes
 from jaxspec.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -75,22 +75,24 @@ SPLIT_MLP_AXES = {"w_gate_up": (None, "ffn"), "b_gate_up": ("ffn",)}
 TOP_AXES = {"embed": ("vocab", None), "final_norm": (None,), "lm_head": (None, "vocab")}
 
 
-def weight_specs(weights: Weights, vocab_parallel: bool = True) -> Weights:
-    """A PartitionSpec for every array of `weights` (a Weights of specs, for shard_map)."""
+def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
+    """A PartitionSpec for every array of `weights` (a Weights of specs, for shard_map), split over
+    weights.mesh."""
     stacked = not isinstance(weights.layers, tuple)
+    tp = 1 if weights.mesh is None else weights.mesh.size
+    split = lambda axes: split_axes(axes, config, tp)  # noqa: E731
 
     def layer_specs(layer: LayerWeights) -> LayerWeights:
         out = {}
         for f in dataclasses.fields(LayerWeights):
             value = getattr(layer, f.name)
             if isinstance(value, tuple):
-                out[f.name] = tuple(spec(SPLIT_MLP_AXES[f.name], stacked) for _ in value)
+                out[f.name] = tuple(spec(split(SPLIT_MLP_AXES[f.name]), stacked) for _ in value)
             elif value is not None:
-                out[f.name] = spec(LAYER_AXES[f.name], stacked)
+                out[f.name] = spec(split(LAYER_AXES[f.name]), stacked)
         return LayerWeights(**out)
 
-    top = {name: spec(axes if vocab_parallel else (None,) * len(axes))
-           for name, axes in TOP_AXES.items() if getattr(weights, name) is not None}
+    top = {name: spec(split(axes)) for name, axes in TOP_AXES.items() if getattr(weights, name) is not None}
     layers = layer_specs(weights.layers) if stacked else tuple(map(layer_specs, weights.layers))
     return Weights(layers=layers, mesh=weights.mesh, **top)
 
@@ -198,23 +200,18 @@ def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
 def field_shardings(config: ModelConfig, mesh: Mesh | None) -> dict:
     """field -> where a checkpoint-layout array goes (None: the default device)."""
     tp = 1 if mesh is None else mesh.size
-    vocab_split = vocab_parallel(config, tp)
-    out = {}
-    for p in param_specs(config):
-        axes = p.axes or (None,) * len(p.shape)
-        if (p.field in TOP_AXES and not vocab_split) or (config.num_kv_heads % tp and "kv_heads" in axes):
-            axes = (None,) * len(axes)  # whole vocabulary; kv heads to be repeated (kv_repeats)
-        out[p.field] = named(mesh, spec(axes, stacked=p.per_layer))
-    return out
+    return {p.field: named(mesh, spec(split_axes(p.axes or (None,) * len(p.shape), config, tp), p.per_layer))
+            for p in param_specs(config)}
 
 
 def place(weights: Weights, config: ModelConfig, mesh: Mesh | None) -> Weights:
     """Weights with every array on its shards of `mesh` (a no-op where already there), and the
-    mesh recorded when it splits them (more than one device)."""
+    mesh recorded when it splits them (more than one device). config: the one they run with
+    (serving_config: kv heads already repeated)."""
     if mesh is None:
         return weights
     weights = weights.replace(mesh=mesh if mesh.size > 1 else None)
-    specs = weight_specs(weights, vocab_parallel(config, mesh.size))
+    specs = weight_specs(weights, config)
     return jax.tree.map(lambda a, p: put(a, named(mesh, p)), weights, specs)
 
 
@@ -248,18 +245,17 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     take = lambda name: put(fields.pop(name), shardings[name]).astype(dtype)  # noqa: E731
     top = {name: take(name) for name in list(fields) if not name.startswith("layers.")}
     names = [name.split(".", 1)[1] for name in fields]
-    groups = [g for g in FUSED_GROUPS] + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
+    groups = list(FUSED_GROUPS) + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
     layers = [{} for _ in range(config.num_layers)]
     for group in groups:
         stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}
-        for i, layer in enumerate(layers):
-            if stacked:
-                layer |= fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
+        for i, layer in enumerate(layers if stacked else ()):
+            layer |= fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
         del stacked  # frees the stacked arrays: the layers hold their own slices
     for layer in layers:
         layer |= {name: repeat_kv_heads(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
     layers = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
-    return place(Weights(layers=layers, **top), config, mesh)
+    return place(Weights(layers=layers, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -443,7 +439,7 @@ def forward(
     run = jax.shard_map(
         functools.partial(_forward, local_config(config, tp), attention, TP),
         mesh=weights.mesh,
-        in_specs=(weight_specs(weights, vocab_parallel(config, tp)), cache_specs(cache)) + (PartitionSpec(),) * 4,
+        in_specs=(weight_specs(weights, config), cache_specs(cache)) + (PartitionSpec(),) * 4,
         out_specs=(PartitionSpec(), cache_specs(cache)),
         check_vma=False,  # the Pallas kernel's outputs carry no replication annotations
     )

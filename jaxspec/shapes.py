@@ -19,7 +19,7 @@ from jaxspec.errors import InputError
 from jaxspec.loading import Model
 from jaxspec import model as engine_model
 from jaxspec.model import LayerWeights, Weights
-from jaxspec.sharding import check_tensor_parallel, make_mesh, named, serving_config, spec, vocab_parallel
+from jaxspec.sharding import check_tensor_parallel, make_mesh, named, serving_config, spec, split_axes
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -99,9 +99,7 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None) -> Weights:
     def make(shape, axes, norm=False):
         nonlocal key
         key, sub = jax.random.split(key)
-        if not vocab_parallel(c, tp) and "vocab" in axes:
-            axes = (None,) * len(axes)
-        return _maker(shape, jnp.dtype(dtype), norm, named(mesh, spec(axes)))(sub)
+        return _maker(shape, jnp.dtype(dtype), norm, named(mesh, spec(split_axes(axes, c, tp))))(sub)
 
     mlp = engine_model.fuse_mlp()
 

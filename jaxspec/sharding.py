@@ -31,10 +31,12 @@ def spec(axes: tuple, stacked: bool = False) -> P:
     return P(*(((None,) if stacked else ()) + tuple(RULES.get(a) for a in axes)))
 
 
-def vocab_parallel(config: ModelConfig, tp: int) -> bool:
-    """The embedding and head are split by vocabulary when it divides evenly (every Llama, Qwen
-    and Mistral vocabulary splits 8 ways); otherwise they are replicated."""
-    return config.vocab_size % tp == 0
+def split_axes(axes: tuple, config: ModelConfig, tp: int) -> tuple:
+    """Logical axes as they split tp ways: the vocabulary stays whole where tp does not divide it
+    (every Llama, Qwen and Mistral vocabulary splits 8 ways), and so do kv heads where tp does not
+    divide them (past their count they are repeated first: kv_repeats)."""
+    whole = {"vocab": config.vocab_size % tp != 0, "kv_heads": config.num_kv_heads % tp != 0}
+    return tuple(None if whole.get(a) else a for a in axes)
 
 
 def kv_repeats(config: ModelConfig, tp: int) -> int:

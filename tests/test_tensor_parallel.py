@@ -176,7 +176,7 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
     tokens = jax.ShapeDtypeStruct((2, 4), jnp.int32)
     # Shapes placed as the engine places arrays (JAX 0.11 checks them against shard_map's specs).
     placed = lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))  # noqa: E731
-    weights = jax.tree.map(placed, weights, weight_specs(weights))
+    weights = jax.tree.map(placed, weights, weight_specs(weights, c))
     cache = jax.tree.map(placed, cache, cache_specs(cache))
     tokens = placed(tokens, PartitionSpec())
     with use_abstract_mesh(mesh):
