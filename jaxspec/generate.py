@@ -11,7 +11,8 @@ import jax
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
 from jaxspec.model import ATTENTION_IMPLS
-from jaxspec.trees import chain, resolve_tree
+from jaxspec.ngram import Ngram
+from jaxspec.trees import MAX_TREE_NODES, chain, resolve_tree
 from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_token_ids, encode_prompt, seeds_for,
 )
@@ -48,14 +49,19 @@ def resolve_attention(attention) -> str:
     return attention
 
 
-def check_draft(target: Model, draft: Model, num_draft_tokens) -> None:
-    """Draft and target must share a vocabulary; K must be an int in [1, MAX_DRAFT_TOKENS]."""
-    if not isinstance(draft, Model):
-        raise InputError(f"draft must be a model from jaxspec.load or None; got {type(draft).__name__}")
+def check_draft(target: Model, draft: Model | Ngram, num_draft_tokens) -> None:
+    """A draft model must share the target's vocabulary; K must be an int in [1, MAX_DRAFT_TOKENS]."""
+    if not isinstance(draft, (Model, Ngram)):
+        raise InputError(f'draft must be a model from jaxspec.load, "ngram" or None; got {draft!r}')
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not (
         1 <= num_draft_tokens <= MAX_DRAFT_TOKENS
     ):
         raise InputError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}]; got {num_draft_tokens!r}")
+    if isinstance(draft, Ngram):
+        if len(draft.drafter(num_draft_tokens).tree) > MAX_TREE_NODES:
+            raise InputError(f"ngram_branches x num_draft_tokens must be at most {MAX_TREE_NODES - 1}; got "
+                             f"{draft.branches} x {num_draft_tokens}")
+        return
     tv, dv = target.config.vocab_size, draft.config.vocab_size
     if tv != dv:
         raise InputError(
@@ -70,10 +76,19 @@ def check_draft(target: Model, draft: Model, num_draft_tokens) -> None:
             )
 
 
+def resolve_draft(draft, ngram_min: int = 1, ngram_max: int = 3, ngram_branches: int = 1):
+    """A draft model as it is; "ngram" -> the n-gram settings (checked)."""
+    if isinstance(draft, str):
+        if draft != "ngram":
+            raise InputError(f'draft must be a model from jaxspec.load, "ngram" or None; got {draft!r}')
+        return Ngram(ngram_min, ngram_max, ngram_branches)
+    return draft
+
+
 def generate(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     target: Model,
-    draft: Model | None = None,
+    draft: Model | str | Ngram | None = None,
     *,
     max_new_tokens: int = 128,
     num_draft_tokens: int = 4,
@@ -85,9 +100,16 @@ def generate(
     warn_below_acceptance: float = 0.6,
     attention: str = "auto",
     tree=None,
+    ngram_min: int = 1,
+    ngram_max: int = 3,
+    ngram_branches: int = 1,
 ) -> Completions:
     """Generates a completion for each prompt with the target model, speculatively when a draft
-    model is given (K = num_draft_tokens drafts verified per target pass), plainly otherwise.
+    is given (K = num_draft_tokens drafts verified per target pass), plainly otherwise.
+    draft: a draft model sharing the target's vocabulary, or "ngram": prompt lookup, proposing
+    the K tokens that followed the most recent earlier occurrence of the row's last
+    ngram_max..ngram_min tokens in its prompt and output (no draft model; jaxspec.ngram);
+    ngram_branches > 1 verifies that many distinct continuations as a tree.
 
     Output is lossless: greedy output equals the target's own greedy output token for token,
     and sampled output is distributed exactly as the target's sampling distribution.
@@ -103,13 +125,19 @@ def generate(
     """
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InputError(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
-    if draft is not None:
+    draft = resolve_draft(draft, ngram_min, ngram_max, ngram_branches)
+    if isinstance(draft, Ngram):
+        check_draft(target, draft, num_draft_tokens)
+        if tree is not None:
+            raise InputError('tree is for a draft model; n-gram lookup builds its own (ngram_branches)')
+    elif draft is not None:
         check_draft(target, draft, num_draft_tokens)
         tree = chain(num_draft_tokens) if tree is None else resolve_tree(tree)
     elif tree is not None:
         raise InputError("tree needs a draft model: pass draft=... (or drop tree for plain decoding)")
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
-    outs = run(target, requests, max_batch_size, draft=draft, tree=tree, attention=resolve_attention(attention))
+    outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft_tokens, tree=tree,
+               attention=resolve_attention(attention))
     rate = outs.metrics.acceptance_rate
     if rate is not None and rate < warn_below_acceptance:
         log.warning(

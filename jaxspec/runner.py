@@ -10,7 +10,9 @@ import jax
 import numpy as np
 
 from jaxspec.decode import FINISH_REASONS, Batch, decode
+from jaxspec.draft_model import ModelDrafter
 from jaxspec.loading import Model, replicated_on
+from jaxspec.ngram import Ngram
 from jaxspec.requests import Request
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import replicate
@@ -80,15 +82,22 @@ def _plain(model: Model, batch: Batch, max_out: int, greedy_only: bool, attentio
     )), lambda exe: exe(model.weights, batch)
 
 
-def _speculative(target: Model, draft: Model, tree: Tree, batch: Batch, max_out: int, greedy_only: bool, attention: str):
+def drafter_for(draft: Model | Ngram, num_draft: int, tree: Tree | None):
+    """(static drafter, its arrays) for a draft model (a chain of num_draft, or `tree`) or n-gram lookup."""
+    if isinstance(draft, Ngram):
+        return draft.drafter(num_draft), None
+    return ModelDrafter(draft.config, tree if tree is not None else chain(num_draft)), draft.weights
+
+
+def _speculative(target: Model, drafter, params, batch: Batch, max_out: int, greedy_only: bool, attention: str):
     # Slack for the tree's nodes written past the committed length.
-    capacity = cache_capacity(batch.tokens.shape[1], max_out, len(tree) + 1)
-    key = ("spec", target.config, draft.config, jax.tree.structure((target.weights, draft.weights)), target.mesh,
-           target.dtype, draft.dtype, batch.tokens.shape, capacity, max_out, tree, greedy_only, attention)
+    capacity = cache_capacity(batch.tokens.shape[1], max_out, len(drafter.tree) + 1)
+    key = ("spec", target.config, drafter, jax.tree.structure((target.weights, params)), target.mesh, target.dtype,
+           tuple(a.dtype for a in jax.tree.leaves(params)), batch.tokens.shape, capacity, max_out, greedy_only, attention)
     return _executable(key, lambda: speculative_decode.lower(
-        target.weights, draft.weights, batch, target_config=target.config, draft_config=draft.config,
-        capacity=capacity, max_out=max_out, tree=tree, greedy_only=greedy_only, attention=attention,
-    )), lambda exe: exe(target.weights, draft.weights, batch)
+        target.weights, params, batch, target_config=target.config, drafter=drafter,
+        capacity=capacity, max_out=max_out, greedy_only=greedy_only, attention=attention,
+    )), lambda exe: exe(target.weights, params, batch)
 
 
 def _stats(request: Request, out, row: int, speculative: bool) -> RequestStats:
@@ -111,14 +120,14 @@ def _stats(request: Request, out, row: int, speculative: bool) -> RequestStats:
 
 def run(
     target: Model, requests: list[Request], max_batch_size: int,
-    draft: Model | None = None, num_draft: int = 0, tree: Tree | None = None, attention: str = "xla",
+    draft: Model | Ngram | None = None, num_draft: int = 0, tree: Tree | None = None, attention: str = "xla",
 ) -> Completions:
-    """Decodes all requests in order; speculatively when a draft is given, over `tree` or else a
-    chain of num_draft tokens."""
-    if draft is not None and tree is None:
-        tree = chain(num_draft)
-    if draft is not None:
+    """Decodes all requests in order; speculatively when a draft is given: a draft model over
+    `tree` or else a chain of num_draft tokens, or n-gram lookup of num_draft tokens per branch."""
+    if isinstance(draft, Model):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
+    if draft is not None:
+        drafter, params = drafter_for(draft, num_draft, tree)
     start = time.perf_counter()
     results: list[Completion | None] = [None] * len(requests)
     compile_s = decode_s = 0.0
@@ -133,7 +142,7 @@ def run(
         if draft is None:
             (exe, spent), call = _plain(target, batch, max_out, greedy_only, attention)
         else:
-            (exe, spent), call = _speculative(target, draft, tree, batch, max_out, greedy_only, attention)
+            (exe, spent), call = _speculative(target, drafter, params, batch, max_out, greedy_only, attention)
         compile_s += spent
         graphs += spent > 0
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
-"""Tree speculation: the draft expands a static tree, the target verifies every node in one pass
+"""Tree verification: a drafter fills a static tree, the target verifies every node in one pass
 (positions = depth, mask = committed prefix + ancestors), the longest accepted root-to-leaf path
-is committed, and its K/V entries move into place in both caches.
+is committed, and its K/V entries move into place in the caches.
 
 Node i of the tree sits at cache slot (n - 1) + i during the round (node 0 = the last committed
 token s[n-1]); after acceptance the path's nodes move to slots (n - 1) + depth.
@@ -13,7 +13,9 @@ Acceptance:
     walking down from the root, child c is accepted with probability min(1, p(c) / q(c)), and
     after each rejection p <- normalize(max(p - q, 0)) (SpecInfer's multi-step speculative
     sampling); when no child is accepted (or a leaf is reached) one token is drawn from the
-    current p. The emitted tokens are distributed exactly as the target's sampling.
+    current p. The emitted tokens are distributed exactly as the target's sampling. With point
+    masses (q one-hot: fixed candidates, as n-gram lookup proposes) this is: accept child c with
+    probability p(c), else remove c from p and renormalise.
 """
 
 from __future__ import annotations
@@ -25,9 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
-from jaxspec.model import Weights, forward
-from jaxspec.sampling import SamplingParams, filtered_logits
 from jaxspec.trees import Tree, ancestor_mask, depths
 
 
@@ -67,53 +66,6 @@ class TreePlan:
         return np.array([i for i, x in enumerate(self.depth) if x == d], np.int32)
 
 
-def draft_tree(
-    weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray, prev: jnp.ndarray,
-    last: jnp.ndarray, plan: TreePlan, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool,
-    attention: str = "xla",
-):
-    """Fills the tree level by level. Each pass re-reads [s[n-2], tree nodes] (the first entry
-    fills the draft cache's possible hole, as in chain drafting) under the ancestor mask, and
-    rewrites all of their cache slots, so each level takes the cache the last one left (handing
-    every level the round's first cache made XLA copy it per layer and level).
-
-    Returns (tokens [b, t] with tokens[:, 0] = last, q [b, t, v] the draft distribution each
-    node was drawn from (None when greedy_only), cache)."""
-    b, t = last.shape[0], plan.size
-    mask = np.zeros((t + 1, t + 1), bool)
-    mask[:, 0] = True
-    mask[1:, 1:] = ancestor_mask(plan.parents)
-    positions = jnp.concatenate(
-        [(n - 2)[:, None], (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]], axis=1
-    )
-    tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(last)
-    q_all = None if greedy_only else jnp.zeros((b, t, config.vocab_size), jnp.float32)
-    cache = cache.replace(lengths=n - 2)
-    for d in range(1, plan.max_depth + 1):
-        nodes = plan.level(d)
-        # The head and top_k run only at this level's parents (a few rows of a 128K vocabulary).
-        parents = np.unique(np.asarray(plan.parents)[nodes])
-        logits, cache = forward(
-            weights, config, jnp.concatenate([prev[:, None], tokens], axis=1), cache, positions, jnp.asarray(mask),
-            attention=attention, logits_at=jnp.broadcast_to(jnp.asarray(1 + parents, jnp.int32), (b, parents.size)),
-        )  # [b, parents, v]
-        of_node = np.searchsorted(parents, np.asarray(plan.parents)[nodes])  # each node's parent row
-        parent_logits = logits[:, of_node]  # [b, m, v]
-        top = jax.lax.top_k(logits, plan.max_children)[1][:, of_node]  # [b, m, c]
-        ranks = jnp.asarray(np.asarray(plan.rank)[nodes])
-        greedy = jnp.take_along_axis(top, ranks[None, :, None], axis=2)[..., 0].astype(jnp.int32)
-        if greedy_only:
-            chosen = greedy
-        else:
-            filtered = filtered_logits(parent_logits, sampling)
-            node_keys = keys[:, nodes]  # [b, m, 2]
-            drawn = jax.vmap(jax.vmap(jax.random.categorical))(node_keys, filtered).astype(jnp.int32)
-            chosen = jnp.where((sampling.temperature > 0)[:, None], drawn, greedy)
-            q_all = q_all.at[:, nodes].set(jax.nn.softmax(filtered, axis=-1))
-        tokens = tokens.at[:, nodes].set(chosen)
-    return tokens, q_all, cache
-
-
 def path_to(plan: TreePlan, best: jnp.ndarray) -> jnp.ndarray:
     """[b, D+1]: the node at each depth on the root path to `best` (best itself past its depth)."""
     anc = jnp.asarray(ancestor_mask(plan.parents))[best]  # [b, t]
@@ -135,9 +87,10 @@ def accept_tree_greedy(plan: TreePlan, tokens: jnp.ndarray, logits: jnp.ndarray)
 
 
 def accept_tree_sampling(plan: TreePlan, tokens, q, p, uniforms, final_keys):
-    """Recursive rejection down the tree. tokens [b, t]; q [b, t, v] (node i's token was drawn
-    from q[:, i]); p [b, t, v] target distributions at each node; uniforms [b, t];
-    final_keys [b, 2]. -> (accepted depth [b], next token [b], last accepted node [b])."""
+    """Recursive rejection down the tree. tokens [b, t]; q [b, t-1, v] (node i's token was drawn
+    from q[:, i-1]), or None for point masses; p [b, t, v] target distributions at each node;
+    uniforms [b, t-1] (node i's at i-1); final_keys [b, 2].
+    -> (accepted depth [b], next token [b], last accepted node [b])."""
     b = tokens.shape[0]
     rows = jnp.arange(b)
     children = jnp.asarray(plan.children)  # [t, c]
@@ -150,11 +103,15 @@ def accept_tree_sampling(plan: TreePlan, tokens, q, p, uniforms, final_keys):
         for c in range(plan.max_children):
             child = children[cur, c]
             try_it = searching & ~moved & (child >= 0)
-            node = jnp.maximum(child, 0)
+            node = jnp.maximum(child, 1)
             tok = tokens[rows, node]
-            q_node = q[rows, node]  # [b, v]
-            take = try_it & (uniforms[rows, node] * q_node[rows, tok] < p_cur[rows, tok])
-            residual = jnp.maximum(p_cur - q_node, 0.0)
+            if q is None:  # a point mass at tok
+                take = try_it & (uniforms[rows, node - 1] < p_cur[rows, tok])
+                residual = p_cur.at[rows, tok].set(0.0)
+            else:
+                q_node = q[rows, node - 1]  # [b, v]
+                take = try_it & (uniforms[rows, node - 1] * q_node[rows, tok] < p_cur[rows, tok])
+                residual = jnp.maximum(p_cur - q_node, 0.0)
             total = jnp.sum(residual, axis=-1, keepdims=True)
             residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_cur)
             rejected = try_it & ~take

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 import jaxspec
+from jaxspec.draft_model import ModelDrafter
 from jaxspec.speculative import speculative_decode
 from jaxspec.trees import chain
 from tiny_models import TINY, save_tiny
@@ -126,8 +127,8 @@ def test_one_compiled_loop_and_no_host_round_trips(pair, prompts):
     batch = make_batch([Request((1, 2, 3), 8, SamplingSettings(), 0)], 1, 16, 0)
     jaxpr = jax.make_jaxpr(
         lambda t, d, b: speculative_decode(
-            t, d, b, target_config=target.config, draft_config=draft.config, capacity=32,
-            max_out=16, tree=chain(4), greedy_only=False,
+            t, d, b, target_config=target.config, drafter=ModelDrafter(draft.config, chain(4)), capacity=32,
+            max_out=16, greedy_only=False,
         )
     )(target.weights, draft.weights, batch)
     inner = jaxpr.eqns[0].params["jaxpr"].jaxpr  # the jit

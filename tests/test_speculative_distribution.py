@@ -105,8 +105,7 @@ def test_the_test_catches_a_biased_acceptance_rule(pair, monkeypatch):
     # A fresh jit of the loop traces the biased rule (jit's caches are keyed by the function);
     # the runner compiles it under its own key, forgotten afterwards. Nothing else recompiles.
     fresh = jax.jit(lambda *a, **kw: speculative.speculative_decode.__wrapped__(*a, **kw),
-                    static_argnames=("target_config", "draft_config", "capacity", "max_out", "tree", "greedy_only",
-                                     "attention"))
+                    static_argnames=("target_config", "drafter", "capacity", "max_out", "greedy_only", "attention"))
     monkeypatch.setattr(runner, "speculative_decode", fresh)
     monkeypatch.setattr(runner, "_compiled", {})
     setting = SETTINGS[0]
