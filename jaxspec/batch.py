@@ -33,6 +33,7 @@ from jaxspec.errors import InputError, JaxspecError
 from jaxspec.generate import check_draft
 from jaxspec.loading import Model, replicated_on
 from jaxspec.metrics_log import AcceptanceWatch, MetricsLog, low_acceptance_message
+from jaxspec.ngram import Ngram
 from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_seed, check_token_ids, encode_prompt,
 )
@@ -41,6 +42,7 @@ from jaxspec.trees import resolve_tree
 
 log = logging.getLogger("jaxspec")
 SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+AUTO_NGRAM_KS = (4, 8)  # n-gram lookup lengths the canary tries by default
 MAX_LISTED_DUPLICATES = 20
 
 
@@ -354,6 +356,7 @@ class JobSettings:
     auto_sample: float | int
     auto_ks: tuple[int, ...]
     auto_trees: tuple[str, ...]
+    auto_ngram_ks: tuple[int, ...]
     auto_repeats: int
     auto_min_speedup: float
     warn_below_acceptance: float
@@ -364,7 +367,7 @@ def run_job(
     in_path: str | Path,
     out_path: str | Path,
     target: Model,
-    draft: Model | None = None,
+    draft: Model | Ngram | None = None,
     *,
     num_draft_tokens: int = 3,
     max_new_tokens: int = 128,
@@ -377,6 +380,7 @@ def run_job(
     auto_sample: float | int = 0.05,
     auto_ks=(2, 3, 4),
     auto_trees=(),
+    auto_ngram_ks=AUTO_NGRAM_KS,
     auto_repeats: int = 2,
     auto_min_speedup: float = 1.05,
     metrics_log: str | Path | None | bool = True,
@@ -387,11 +391,13 @@ def run_job(
 ) -> dict:
     """Runs (or resumes) a batch job from `in_path` into `out_path`; returns the summary dict.
 
-    draft: speculative decoding with K = num_draft_tokens when given, plain decoding when None.
+    draft: speculative decoding with K = num_draft_tokens when given (a draft model, or
+    jaxspec.ngram.Ngram for n-gram lookup), plain decoding when None.
     max_new_tokens, temperature, top_k, top_p, seed: defaults for records without their own.
     batch_size: records per device batch (and per durable output chunk).
     auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
-    named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) on a sample
+    named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) when the draft is a model, and
+    n-gram lookup with each K in auto_ngram_ks (the draft's settings when it is an Ngram) on a sample
     of the job (auto_sample: a fraction in (0, 1], at least 8 records and two batches, or a
     count; rounded up to whole batches, taken from the commonest prompt-length buckets; best of
     auto_repeats passes), check greedy outputs agree, and run the rest with the fastest
@@ -413,11 +419,17 @@ def run_job(
     if not isinstance(warn_below_acceptance, (int, float)) or not 0 <= warn_below_acceptance <= 1:
         raise InputError(f"warn_below_acceptance must be in [0, 1]; got {warn_below_acceptance!r}")
     if auto and draft is None:
-        raise InputError("auto needs a draft model to compare against plain decoding")
+        raise InputError('auto needs a draft (a draft model or "ngram") to compare against plain decoding')
+    ngram = draft if isinstance(draft, Ngram) else Ngram()
+    if auto and isinstance(draft, Ngram):
+        auto_ks, auto_trees = (), ()  # no draft model to try
     if draft is not None:
         for k in (num_draft_tokens, *(auto_ks if auto else ())):
             check_draft(target, draft, k)
-        replicated_on(draft, target.mesh)  # refuses a draft split other than its target, before any work
+        for k in auto_ngram_ks if auto else ():
+            check_draft(target, ngram, k)
+        if isinstance(draft, Model):
+            replicated_on(draft, target.mesh)  # refuses a draft split other than its target, before any work
         for name in auto_trees if auto else ():
             resolve_tree(name)
     if auto:
@@ -427,8 +439,8 @@ def run_job(
         if isinstance(auto_repeats, bool) or not isinstance(auto_repeats, int) or auto_repeats < 1:
             raise InputError(f"auto_repeats must be an integer >= 1; got {auto_repeats!r}")
     defaults = JobDefaults(max_new_tokens, temperature, top_k, top_p, seed)
-    settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), tuple(auto_trees), auto_repeats,
-                           auto_min_speedup, warn_below_acceptance, progress)
+    settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), tuple(auto_trees),
+                           tuple(auto_ngram_ks), auto_repeats, auto_min_speedup, warn_below_acceptance, progress)
     paths = default_paths(out_path)
     paths["summary"] = Path(summary_path) if summary_path else paths["summary"]
     paths["plot"] = paths["plot"] if plot_path is True else (Path(plot_path) if plot_path else None)
@@ -454,6 +466,7 @@ class _Job:
         self.state = _RunState(start)
         self.num_draft = settings.num_draft_tokens if draft is not None else 0
         self.tree = None  # a named draft tree the canary chose, else a chain of num_draft
+        self.ngram = draft if isinstance(draft, Ngram) else None  # n-gram lookup instead of the draft model
         self.decision = None
         self.mlog = MetricsLog(paths["metrics_log"], model=target.name,
                                draft=draft.name if draft is not None else None, job=str(out_path))
@@ -480,8 +493,9 @@ class _Job:
                 todo = self.canary(todo)
             for chunk in plan_chunks(todo, self.settings.batch_size):
                 tree = resolve_tree(self.tree) if self.tree else None
+                drafter = (self.ngram or self.draft) if self.num_draft else None
                 outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
-                           draft=self.draft if self.num_draft else None, num_draft=self.num_draft, tree=tree)
+                           draft=drafter, num_draft=self.num_draft, tree=tree)
                 self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
         finally:
             self.bar.close()
@@ -490,17 +504,18 @@ class _Job:
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str) -> None:
         """Writes a finished chunk durably, then logs and shows it."""
         nd, state = self.num_draft, self.state
-        method = method_name(nd, self.tree)
+        method = method_name(nd, self.tree, self.ngram)
         lines = [ok_line(r, c, method) for r, c in zip(chunk, outs)]
         self.writer.write(lines)
         t = report.totals(lines)
-        low = self.watch.update(t["accepted"], t["drafted"]) if nd else False
+        low = self.watch.update(t["accepted"], t["drafted"]) if nd and not self.ngram else False
         state.records += len(lines)
         state.new_tokens += t["new_tokens"]
         state.decode_s += decode_s
         state.compile_s += compile_s
         entry = self.mlog.write(
             "batch", phase=phase, method=method, num_draft_tokens=nd, tree=self.tree,
+            drafter="ngram" if self.ngram and nd else "model" if nd else None,
             prompt_version=_versions(lines), records=len(lines), batch_size=self.settings.batch_size,
             prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
             compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
@@ -530,16 +545,19 @@ class _Job:
         # sample runs at the job's batch size even where it spans two buckets.
         by_length = sorted(sample, key=lambda r: len(r.request.token_ids))
         chunks = [by_length[i : i + s.batch_size] for i in range(0, len(by_length), s.batch_size)]
+        model = self.draft if isinstance(self.draft, Model) else None
         self.decision = run_canary(
-            self.target, self.draft, [[r.request for r in c] for c in chunks], s.batch_size, ks=s.auto_ks, trees=s.auto_trees,
-            repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass,
+            self.target, model, [[r.request for r in c] for c in chunks], s.batch_size, ks=s.auto_ks,
+            trees=s.auto_trees, ngram_ks=s.auto_ngram_ks, ngram=self.ngram or Ngram(), repeats=s.auto_repeats,
+            min_speedup=s.auto_min_speedup, on_pass=on_pass,
         )
-        self.num_draft, self.tree = self.decision.num_draft, self.decision.tree
+        self.num_draft, self.tree, self.ngram = self.decision.num_draft, self.decision.tree, self.decision.ngram
         if self.num_draft:
             self.watch.note = (
                 f"; the canary measured {self.decision.speedup:.2f}x the speed of plain decoding for "
-                f"{method_name(self.num_draft, self.tree)} on {len(sample)} sample records"
+                f"{method_name(self.num_draft, self.tree, self.ngram)} on {len(sample)} sample records"
             )
+            self.watch.draft_name = "ngram" if self.ngram else self.draft.name
         self.mlog.write("decision", **self.decision.as_dict())
         log.info("canary on %d records: %s", len(sample), self.decision.reason)
         self.state.canary_s = time.perf_counter() - t0
@@ -556,7 +574,8 @@ class _Job:
         report.write_json(self.paths["summary"], summary)
         self.mlog.write("summary", **{k: summary[k] for k in ("totals", "this_run", "settings")})
         rate = summary["totals"]["acceptance_rate"]
-        if rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
+        model_drafted = summary["settings"]["drafter"] == "model"
+        if model_drafted and rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
             # This run's batches stayed above the threshold but the whole job (resumed) did not.
             log.warning(low_acceptance_message(rate, self.settings.warn_below_acceptance,
                                                summary["settings"]["draft"], self.target.name))
@@ -591,12 +610,13 @@ class _Job:
             "by_prompt_version": report.by_prompt_version(mine),
             "settings": {
                 "target": self.target.name, "draft": self.draft.name if self.draft is not None else None,
-                "method": method_name(self.num_draft, self.tree), "num_draft_tokens": self.num_draft,
-                "tree": self.tree,
+                "method": method_name(self.num_draft, self.tree, self.ngram), "num_draft_tokens": self.num_draft,
+                "tree": self.tree, "drafter": "ngram" if self.ngram and self.num_draft else "model" if self.num_draft else None,
                 "batch_size": s.batch_size, **dataclasses.asdict(d), "auto": s.auto,
                 "auto_sample": s.auto_sample if s.auto else None,
                 "auto_ks": list(s.auto_ks) if s.auto else None,
                 "auto_trees": list(s.auto_trees) if s.auto else None,
+                "auto_ngram_ks": list(s.auto_ngram_ks) if s.auto else None,
                 "warn_below_acceptance": s.warn_below_acceptance, "dtype": str(self.target.dtype),
                 "backend": jax.default_backend(), "jax": jax.__version__,
             },

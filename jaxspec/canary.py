@@ -16,6 +16,7 @@ import math
 
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
+from jaxspec.ngram import Ngram
 from jaxspec.requests import Request
 from jaxspec.runner import bucket, run
 from jaxspec.tree_speculative import TreePlan
@@ -26,8 +27,11 @@ log = logging.getLogger("jaxspec")
 PLAIN = "plain"
 
 
-def method_name(num_draft: int, tree: str | None = None) -> str:
-    """"plain", "speculative K=3" (a chain) or "tree sparse" (a named draft tree)."""
+def method_name(num_draft: int, tree: str | None = None, ngram: Ngram | None = None) -> str:
+    """"plain", "speculative K=3" (a draft model's chain), "tree sparse" (a named draft tree),
+    "ngram K=4" or "ngram K=4 x3" (n-gram lookup, a tree of 3 branches)."""
+    if ngram is not None and num_draft:
+        return f"ngram K={num_draft}" + (f" x{ngram.branches}" if ngram.branches > 1 else "")
     if tree:
         return f"tree {tree}"
     return f"speculative K={num_draft}" if num_draft else PLAIN
@@ -81,6 +85,7 @@ class Trial:
 
     num_draft: int  # chain length; for a tree, its depth
     tree: str | None = None  # a name from jaxspec.trees.NAMED_TREES, or None for a chain
+    ngram: Ngram | None = None  # n-gram lookup instead of the draft model
     outputs: list[Completions] = dataclasses.field(default_factory=list)  # one per chunk
     best_s: list[float] = dataclasses.field(default_factory=list)  # least decode time per chunk
     passes: int = 0
@@ -89,13 +94,17 @@ class Trial:
 
     @property
     def method(self) -> str:
-        return method_name(self.num_draft, self.tree)
+        return method_name(self.num_draft, self.tree, self.ngram)
 
-    def run(self, target: Model, draft: Model, chunk: list[Request], batch_size: int) -> Completions:
+    @property
+    def setting(self) -> tuple:
+        return self.num_draft, self.tree, self.ngram
+
+    def run(self, target: Model, draft: Model | None, chunk: list[Request], batch_size: int) -> Completions:
         if not self.num_draft:
             return run(target, chunk, batch_size)
         tree = resolve_tree(self.tree) if self.tree else None
-        return run(target, chunk, batch_size, draft=draft, num_draft=self.num_draft, tree=tree)
+        return run(target, chunk, batch_size, draft=self.ngram or draft, num_draft=self.num_draft, tree=tree)
 
     @property
     def completions(self) -> list:
@@ -130,7 +139,8 @@ class Trial:
         comps = self.completions
         steps = sum(c.stats.target_steps for c in comps)
         return {
-            "method": self.method, "num_draft_tokens": self.num_draft, "tree": self.tree, "tokens_per_s": self.tokens_per_s,
+            "method": self.method, "num_draft_tokens": self.num_draft, "tree": self.tree,
+            "drafter": "ngram" if self.ngram else "model" if self.num_draft else None, "tokens_per_s": self.tokens_per_s,
             "best_decode_s": self.best_decode_s, "passes": self.passes, "new_tokens": self.new_tokens,
             "compile_s": self.compile_s, "acceptance_rate": self.acceptance_rate,
             "tokens_per_step": self.new_tokens / steps if steps else None,
@@ -143,13 +153,14 @@ class Trial:
 class Decision:
     num_draft: int  # 0 = plain decoding
     tree: str | None
+    ngram: Ngram | None  # the chosen setting drafts by n-gram lookup
     reason: str
     trials: list[Trial]
     sample_records: int
 
     @property
     def chosen(self) -> Trial:
-        return next(t for t in self.trials if (t.num_draft, t.tree) == (self.num_draft, self.tree))
+        return next(t for t in self.trials if t.setting == (self.num_draft, self.tree, self.ngram))
 
     @property
     def speedup(self) -> float:
@@ -159,7 +170,8 @@ class Decision:
 
     def as_dict(self) -> dict:
         return {
-            "chosen": method_name(self.num_draft, self.tree), "num_draft_tokens": self.num_draft, "tree": self.tree,
+            "chosen": method_name(self.num_draft, self.tree, self.ngram), "num_draft_tokens": self.num_draft,
+            "tree": self.tree, "drafter": "ngram" if self.ngram else "model" if self.num_draft else None,
             "speedup": self.speedup, "reason": self.reason, "sample_records": self.sample_records,
             "candidates": [t.as_dict() for t in self.trials],
         }
@@ -193,12 +205,13 @@ def _decide(trials: list[Trial], min_speedup: float) -> tuple[Trial, str]:
 
 
 def run_canary(
-    target: Model, draft: Model, chunks: list[list[Request]], batch_size: int, *,
-    ks=(2, 3, 4), trees=(), repeats: int = 2, min_speedup: float = 1.05, keep_within: float = 0.9,
-    on_pass=None,
+    target: Model, draft: Model | None, chunks: list[list[Request]], batch_size: int, *,
+    ks=(2, 3, 4), trees=(), ngram_ks=(), ngram: Ngram = Ngram(), repeats: int = 2, min_speedup: float = 1.05,
+    keep_within: float = 0.9, on_pass=None,
 ) -> Decision:
-    """Times plain decoding, speculative decoding with each K in `ks` and with each named tree
-    in `trees` on the sample `chunks`
+    """Times plain decoding, speculative decoding with the draft model at each K in `ks` and
+    with each named tree in `trees` (none without a draft model), and n-gram lookup (`ngram`'s
+    settings) at each K in `ngram_ks`, on the sample `chunks`
     (lists of requests, each run as one call of at most batch_size rows).
 
     Candidates take turns chunk by chunk and each chunk keeps its least time over `repeats`
@@ -214,8 +227,11 @@ def run_canary(
         raise InputError("the canary needs at least one request")
     if repeats < 1:
         raise InputError(f"auto_repeats must be >= 1; got {repeats!r}")
+    if draft is None and (ks or trees):
+        raise InputError("the canary's draft-model candidates (ks, trees) need a draft model")
     trials = [Trial(0)] + [Trial(k) for k in dict.fromkeys(ks)]
     trials += [Trial(TreePlan.of(resolve_tree(name)).max_depth, name) for name in dict.fromkeys(trees)]
+    trials += [Trial(k, ngram=ngram) for k in dict.fromkeys(ngram_ks)]
     active = list(trials)
     for p in range(repeats):
         spent = {id(t): [0, 0.0, 0.0] for t in active}
@@ -244,4 +260,4 @@ def run_canary(
         if t.mismatched:
             log.warning("canary: %s differs from plain greedy output on %d of %d sample records; not used",
                         t.method, t.mismatched, n)
-    return Decision(best.num_draft, best.tree, reason, trials, n)
+    return Decision(best.num_draft, best.tree, best.ngram, reason, trials, n)

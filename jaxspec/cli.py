@@ -45,6 +45,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
 
 
+def add_ngram_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("n-gram lookup (--draft ngram): proposals copied from the prompt and output")
+    g.add_argument("--ngram-max", type=int, default=3, help="longest suffix looked up (default 3)")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up (default 1)")
+    g.add_argument("--ngram-branches", type=int, default=1,
+                   help="verify up to this many distinct continuations as a tree (default 1: a chain)")
+
+
+def load_draft(args, path):
+    """--draft: "ngram" (n-gram lookup settings, checked), or a draft model folder."""
+    import jaxspec
+    from jaxspec.ngram import Ngram
+
+    if path == "ngram":
+        return Ngram(args.ngram_min, args.ngram_max, args.ngram_branches)
+    return jaxspec.load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
+
+
 def run_generate(args) -> int:
     import jaxspec
 
@@ -55,7 +73,7 @@ def run_generate(args) -> int:
         raise JaxspecError("give at least one prompt: PROMPT arguments or --file")
     target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype,
                           tensor_parallel=args.tensor_parallel)
-    draft = jaxspec.load(args.draft, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel) if args.draft else None
+    draft = load_draft(args, args.draft) if args.draft else None
     outs = jaxspec.generate(
         prompts, target, draft, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens,
@@ -109,7 +127,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", metavar="IN.jsonl", help="input records, one JSON object per line")
     p.add_argument("output", metavar="OUT.jsonl", help="output records (appended to; a rerun resumes)")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
-    p.add_argument("--draft", help="draft model folder (default: the embedded code-draft-4m)")
+    p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup (default: the embedded code-draft-4m)')
     p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
     p.add_argument("--batch-size", type=int, default=8, help="records per device batch and per output chunk (default 8)")
@@ -123,6 +141,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-k", type=_ints, default=[2, 3, 4], help="draft lengths K the canary tries (default 2,3,4)")
     p.add_argument("--auto-trees", default="",
                    help="named draft trees the canary tries too, comma-separated (e.g. binary-3,sparse; default none)")
+    p.add_argument("--auto-ngram-k", type=lambda t: _ints(t) if t.strip() else [], default=[4, 8],
+                   help="n-gram lookup lengths the canary tries too, comma-separated (default 4,8; '' for none)")
     p.add_argument("--auto-repeats", type=int, default=2, help="timed passes per canary candidate, best kept (default 2)")
     p.add_argument("--auto-min-speedup", type=float, default=1.05,
                    help="speculation is chosen only when at least this much faster than plain (default 1.05)")
@@ -134,6 +154,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="summary plot PNG path (default: OUT.png)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_ngram_args(p)
     add_parallel_args(p)
 
 
@@ -173,15 +194,16 @@ def run_batch(args) -> int:
     check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
     target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype,
                           tensor_parallel=args.tensor_parallel)
-    draft = None if args.no_draft else jaxspec.load(args.draft or embedded_model(DEFAULT_DRAFT), dtype=args.dtype,
-                                                    tensor_parallel=args.draft_tensor_parallel)
+    draft = None if args.no_draft else load_draft(args, args.draft or embedded_model(DEFAULT_DRAFT))
     with _jaxspec_logging():
         summary = run_job(
             args.input, args.output, target, draft, num_draft_tokens=args.num_draft_tokens,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, auto=args.auto,
             auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
-            auto_trees=tuple(t for t in args.auto_trees.split(",") if t), auto_repeats=args.auto_repeats,
+            auto_trees=tuple(t for t in args.auto_trees.split(",") if t),
+            auto_ngram_ks=tuple(args.auto_ngram_k),
+            auto_repeats=args.auto_repeats,
             auto_min_speedup=args.auto_min_speedup,
             metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
             summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
@@ -204,12 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="JSONL file with a \"prompt\" field per line, appended to PROMPTs")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    p.add_argument("--draft", help="draft model folder: decode speculatively with it (default: plain decoding)")
+    p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup in the prompt and output: '
+                                   "decode speculatively (default: plain decoding)")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
     p.add_argument("--tree", help="a named draft tree instead of a chain of K (binary-3, sparse, chain-3, chain-7)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
     add_sampling_args(p)
+    add_ngram_args(p)
     add_parallel_args(p)
     p.set_defaults(func=run_generate)
 

@@ -139,7 +139,8 @@ def generate(
     outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft_tokens, tree=tree,
                attention=resolve_attention(attention))
     rate = outs.metrics.acceptance_rate
-    if rate is not None and rate < warn_below_acceptance:
+    # Lookup proposals cost no draft passes: a low acceptance rate is no warning sign there.
+    if rate is not None and isinstance(draft, Model) and rate < warn_below_acceptance:
         log.warning(
             "acceptance rate %.2f is below %.2f: the draft %r may cost more than it saves for target %r "
             "(try a smaller num_draft_tokens, a better-matched draft, or plain decoding)",

@@ -122,7 +122,7 @@ def plot(summary: dict, batches: list[dict], path: Path) -> Path:
         for c in canary["candidates"]:
             if c["per_position_acceptance"]:
                 p = c["per_position_acceptance"]
-                ax.plot(range(1, len(p) + 1), p, "o-", ms=3, label=f"canary K={c['num_draft_tokens']}")
+                ax.plot(range(1, len(p) + 1), p, "o-", ms=3, label=f"canary {c['method'].replace('speculative ', '')}")
         ax.axhline(summary["settings"]["warn_below_acceptance"], color="tab:red", ls="--", lw=1)
         ax.legend(loc="upper right", fontsize=8)
     else:
@@ -147,6 +147,7 @@ def plot(summary: dict, batches: list[dict], path: Path) -> Path:
         colors = ["tab:orange" if c["method"] == canary["chosen"] else "tab:gray" for c in cands]
         bars = ax.bar(names, [c["tokens_per_s"] for c in cands], color=colors)
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         ax.set(ylabel=f"tokens/s on {canary['sample_records']} sample records", title=f"Canary: {canary['chosen']}")
     fig.tight_layout()
     fig.savefig(path)

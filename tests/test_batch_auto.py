@@ -72,7 +72,7 @@ def test_auto_falls_back_to_plain_with_a_random_draft(tmp_path, target, random_d
     src = job_file(tmp_path / "in.jsonl", CODE)
     out = tmp_path / "out.jsonl"
     s = run_job(src, out, target, random_draft, max_new_tokens=32, batch_size=1, auto=True, auto_sample=4,
-                auto_ks=(2, 3), auto_trees=("binary-3",), progress=False)
+                auto_ks=(2, 3), auto_trees=("binary-3",), auto_ngram_ks=(), progress=False)
     canary = s["canary"]
     assert canary["chosen"] == "plain" and s["settings"]["method"] == "plain"
     assert "speculation does not pay" in canary["reason"] and canary["sample_records"] == 4
@@ -96,7 +96,7 @@ def test_auto_picks_speculation_with_the_real_pair_on_code(tmp_path, target, dra
     out = tmp_path / "out.jsonl"
     # Three passes: a 2-core machine shared with other work is noisy; the real gain is ~1.15x.
     s = run_job(src, out, target, draft, max_new_tokens=64, batch_size=1, auto=True, auto_sample=6,
-                auto_ks=(2, 3), auto_repeats=3, progress=False)
+                auto_ks=(2, 3), auto_ngram_ks=(), auto_repeats=3, progress=False)
     canary = s["canary"]
     assert canary["chosen"].startswith("speculative K="), canary["reason"]
     k = canary["num_draft_tokens"]

@@ -133,3 +133,58 @@ def test_one_compiled_loop(real_pair):
 def test_bad_settings_are_refused(real_pair, kw, match):
     with pytest.raises(jaxspec.InputError, match=match):
         jaxspec.generate(["x"], real_pair[0], **kw)
+
+
+def test_batch_job_with_ngram_lookup(tmp_path, real_pair):
+    import json
+
+    from jaxspec import cli
+    from jaxspec.batch import read_output, run_job
+
+    target = real_pair[0]
+    prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(3):\n    print(i)\nfor j in",
+               "class Stack:\n    def __init__(self):\n"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)) + '{"id": 9}\n')
+    ref = jaxspec.generate(prompts, target, max_new_tokens=24)
+    s = run_job(src, tmp_path / "out.jsonl", target, Ngram(branches=2), num_draft_tokens=4, max_new_tokens=24,
+                batch_size=2, plot_path=None, progress=False)
+    got = {r["id"]: r for r in read_output(tmp_path / "out.jsonl")}
+    assert sorted(got) == [0, 1, 2, 9] and "prompt is missing" in got[9]["error"]
+    for i, r in enumerate(ref):
+        assert got[i]["token_ids"] == r.token_ids and got[i]["method"] == "ngram K=4 x2"
+        assert got[i]["stats"]["drafted"] == 4 * (got[i]["stats"]["target_steps"] - 1)
+    assert (s["settings"]["draft"], s["settings"]["drafter"]) == ("ngram", "ngram")
+
+    # The canary tries lookup beside the draft model, and keeps what it measured fastest.
+    s = run_job(src, tmp_path / "auto.jsonl", target, real_pair[1], max_new_tokens=24, batch_size=1, auto=True,
+                auto_sample=2, auto_ks=(2,), auto_ngram_ks=(4,), auto_repeats=1, plot_path=None, progress=False)
+    cands = {c["method"]: c for c in s["canary"]["candidates"]}
+    assert set(cands) == {"plain", "speculative K=2", "ngram K=4"}
+    assert cands["ngram K=4"]["drafter"] == "ngram" and cands["ngram K=4"]["greedy_identical"]
+    best = max(cands.values(), key=lambda c: c["tokens_per_s"])
+    fast_enough = best["tokens_per_s"] >= 1.05 * cands["plain"]["tokens_per_s"]
+    assert s["canary"]["chosen"] == (best["method"] if fast_enough else "plain")
+    got = {r["id"]: r for r in read_output(tmp_path / "auto.jsonl")}
+    assert all(got[i]["token_ids"] == r.token_ids for i, r in enumerate(ref))
+
+    # The command line: --draft ngram, and the canary with lookup alone.
+    out = tmp_path / "cli.jsonl"
+    assert cli.main(["batch", str(src), str(out), "--draft", "ngram", "--auto", "--auto-sample", "2",
+                     "--auto-ngram-k", "3", "--auto-repeats", "1", "--max-new-tokens", "24", "--batch-size", "1",
+                     "--no-progress", "--no-plot"]) == 0
+    summary = json.loads((tmp_path / "cli.summary.json").read_text())
+    assert [c["method"] for c in summary["canary"]["candidates"]] == ["plain", "ngram K=3"]
+    assert cli.main(["batch", str(src), str(tmp_path / "bad.jsonl"), "--draft", "ngram", "--ngram-min", "4",
+                     "--no-progress"]) == 2
+
+
+def test_generate_command_line(capsys):
+    import json
+
+    from jaxspec import cli
+
+    assert cli.main(["generate", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "--draft", "ngram", "--num-draft-tokens",
+                     "4", "--ngram-branches", "2", "--max-new-tokens", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 12 and out["stats"]["drafted"] == 4 * (out["stats"]["target_steps"] - 1)
