@@ -29,13 +29,22 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _ints_or_none(text: str) -> list[int]:
+    return _ints(text) if text.strip() else []
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model folder (default: embedded code-target-16m)")
     p.add_argument("--draft", help="draft model folder (default: embedded code-draft-4m)")
     p.add_argument("--prompts", type=int, default=20, help="first N HumanEval prompts (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--batch-sizes", type=_ints, help="comma-separated (default 1,8; with --shape 1,8,32,64)")
-    p.add_argument("--k", type=_ints, default=[2, 3, 4], help="draft lengths K to try (default 2,3,4)")
+    p.add_argument("--k", type=_ints_or_none, default=[2, 3, 4],
+                   help="draft-model chain lengths K to try (default 2,3,4; '' for none)")
+    p.add_argument("--ngram-k", type=_ints_or_none, default=[],
+                   help="n-gram lookup lengths K to try, beside HF prompt lookup at batch 1 (default none)")
+    p.add_argument("--ngram-branches", type=_ints, default=[1],
+                   help="n-gram branch counts to try at each --ngram-k (default 1: a chain)")
     p.add_argument("--trees", default="", help="comma-separated named draft trees to try too (e.g. binary-3,sparse)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention path for decode/verify (auto: pallas on GPU, xla on CPU)")
@@ -91,9 +100,14 @@ def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats:
     seconds = min(s for _, s in passes)
     new = sum(o.stats.new_tokens for o in outs)
     drafted = sum(o.stats.drafted for o in outs)
+    from jaxspec.canary import method_name
+    from jaxspec.ngram import Ngram
+
+    ngram = draft if isinstance(draft, Ngram) else None
     row = {
         "engine": "jaxspec", "batch": batch,
-        "method": ("plain" if draft is None else f"tree {tree}" if tree else f"spec K={k}"),
+        "method": ("plain" if draft is None else method_name(k, None, ngram) if ngram else f"tree {tree}" if tree
+                   else f"spec K={k}"),
         "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds,
         "tokens_per_step": new / sum(o.stats.target_steps for o in outs),
         "acceptance_rate": sum(o.stats.accepted for o in outs) / drafted if drafted else None,
@@ -123,7 +137,10 @@ def load_hf(path: Path, device: str, dtype: str, threads: int | None):
     return model.eval()
 
 
-def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_ids) -> dict:
+def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_ids, prompt_lookup: int = 0,
+             ngram_max: int = 3) -> dict:
+    """HF generate, greedy: plain, assisted (`assistant`) or prompt lookup (`prompt_lookup` tokens,
+    matching up to ngram_max tokens, as jaxspec's lookup does)."""
     import torch
 
     device = model.device
@@ -134,6 +151,8 @@ def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_
         input_ids = torch.tensor([[pad] * (width - len(g)) + list(g) for g in group], device=device)
         mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group], device=device)
         kw = {"assistant_model": assistant} if assistant is not None else {}
+        if prompt_lookup:
+            kw = {"prompt_lookup_num_tokens": prompt_lookup, "max_matching_ngram_size": ngram_max}
         with torch.inference_mode():
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -163,7 +182,7 @@ def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_
     rows = passes[0][0]
     seconds = min(s for _, s in passes)
     new = sum(len(r) for r in rows)
-    method = "assisted" if assistant is not None else "plain"
+    method = f"prompt lookup K={prompt_lookup}" if prompt_lookup else "assisted" if assistant is not None else "plain"
     return {"engine": "hf", "method": method, "batch": batch, "new_tokens": new, "seconds": seconds,
             "tokens_per_s": new / seconds, "tokens_per_step": None, "acceptance_rate": None}, rows
 
@@ -177,6 +196,7 @@ def run_bench(args) -> int:
     args.batch_sizes = args.batch_sizes or [1, 8]
     import jaxspec
     from jaxspec.humaneval import load_prompts
+    from jaxspec.ngram import Ngram
 
     target_path = Path(args.target or embedded_model(DEFAULT_TARGET))
     draft_path = Path(args.draft or embedded_model(DEFAULT_DRAFT))
@@ -198,9 +218,10 @@ def run_bench(args) -> int:
         plain_row["same_as_plain"] = len(ids)
         rows.append(plain_row)
         print(_fmt(plain_row), flush=True)
-        variants = [(k, None) for k in args.k] + [(1, t) for t in args.trees.split(",") if t]
-        for k, tree in variants:
-            row, out = run(draft, k, tree)
+        variants = [(draft, k, None) for k in args.k] + [(draft, 1, t) for t in args.trees.split(",") if t]
+        variants += [(Ngram(branches=b), k, None) for k in args.ngram_k for b in args.ngram_branches]
+        for d, k, tree in variants:
+            row, out = run(d, k, tree)
             row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
             row["speedup_vs_plain"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
             rows.append(row)
@@ -211,11 +232,13 @@ def run_bench(args) -> int:
             row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
             rows.append(row)
             print(_fmt(row), flush=True)
-            if batch == 1:  # HF assisted generation serves one sequence at a time
-                row, out = bench_hf(ids, hf_target, hf_draft, batch, args.max_new_tokens, args.repeats, eos)
-                row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
-                rows.append(row)
-                print(_fmt(row), flush=True)
+            if batch == 1:  # HF assisted generation and prompt lookup serve one sequence at a time
+                peers = [(hf_draft, 0)] if args.k else []
+                for assistant, lookup in peers + [(None, k) for k in args.ngram_k]:
+                    row, out = bench_hf(ids, hf_target, assistant, batch, args.max_new_tokens, args.repeats, eos, lookup)
+                    row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
+                    rows.append(row)
+                    print(_fmt(row), flush=True)
     _summary(rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=2, default=str))
@@ -225,7 +248,7 @@ def run_bench(args) -> int:
 def _fmt(r: dict) -> str:
     tps = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-"
     acc = f"{r['acceptance_rate']:.3f}" if r.get("acceptance_rate") is not None else "-"
-    return (f"{r['engine']:8s} {r['method']:14s} batch {r['batch']:3d}  {r['new_tokens']:6d} tokens "
+    return (f"{r['engine']:8s} {r['method']:18s} batch {r['batch']:3d}  {r['new_tokens']:6d} tokens "
             f"{r['seconds']:8.3f} s {r['tokens_per_s']:9.1f} tok/s  tok/step {tps:>5s}  acc {acc:>5s}  "
             f"same-as-plain {r['same_as_plain']}")
 

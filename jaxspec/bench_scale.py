@@ -54,6 +54,8 @@ def add_scale_args(p) -> None:
     g.add_argument("--hf-batch-sizes", type=_ints, default=[1, 32], help="HF plain rows (default 1,32)")
     g.add_argument("--acceptance-prompts", type=int, default=20,
                    help="HumanEval prompts for the embedded pair's acceptance (default 20)")
+    g.add_argument("--acceptance-new-tokens", type=int, default=128,
+                   help="tokens per prompt for the embedded pair's acceptance (default 128)")
     g.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     g.add_argument("--seed", type=int, default=0, help="random weights and prompts")
 
@@ -170,22 +172,32 @@ def plain_row(model, batch: int, prompt_len: int, new_tokens: int, repeats: int,
 
 
 def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, costs, k=None, tree=None):
+    """A speculative round's ms through generate() against its parts; draft: a model or Ngram
+    (n-gram lookup: no draft passes, the search counts as overhead)."""
+    from jaxspec.ngram import Ngram
+
+    ngram = isinstance(draft, Ngram)
     tree_parents = NAMED_TREES[tree] if tree else chain(k)
     prompts = _prompts(target.config.vocab_size, 1, prompt_len, seed)
     kw = {"tree": tree} if tree else {"num_draft_tokens": k}
     compile_s, outs = _generate(prompts, target, draft, new_tokens, repeats, attention, **kw)
     slack = len(tree_parents) + 1
-    pre = _prefill_s(target, prompts, new_tokens, slack, repeats) + _prefill_s(draft, prompts, new_tokens, slack, repeats)
+    pre = _prefill_s(target, prompts, new_tokens, slack, repeats)
+    if not ngram:
+        pre += _prefill_s(draft, prompts, new_tokens, slack, repeats)
     rounds = sum(o.stats.target_steps - 1 for o in outs)
     round_ms = 1000 * (outs.metrics.decode_s - pre) / rounds
     depth = max(len(o.stats.accepted_per_position) for o in outs)
-    if tree:
+    if ngram:
+        draft_ms, verify_ms = 0.0, costs[("target", f"t={k + 1}")]
+    elif tree:
         draft_ms = depth * costs[("draft", f"tree {tree}")]
         verify_ms = costs[("target", f"tree {tree}")]
     else:
         draft_ms = costs[("draft", "t=2")] + (k - 1) * costs[("draft", "t=1")]
         verify_ms = costs[("target", f"t={k + 1}")]
-    return {"part": "spec", "method": f"tree {tree}" if tree else f"K={k}", "compile_s": compile_s,
+    method = f"ngram K={k}" if ngram else f"tree {tree}" if tree else f"K={k}"
+    return {"part": "spec", "method": method, "compile_s": compile_s,
             "rounds": rounds, "ms_per_round": round_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
             "overhead": round_ms / (draft_ms + verify_ms) - 1}
 
@@ -201,8 +213,9 @@ def prefill_row(model, prompt_len: int, repeats: int, rate: float, seed: int):
             "tokens_per_s": prompt_len / s, "tflops": flops / s / 1e12, "of_matmul_rate": flops / s / rate}
 
 
-def embedded_acceptance(ks, trees, prompts: int, new_tokens: int = 128) -> dict:
-    """Tokens committed per target pass by the embedded code pair (float32), per K / tree."""
+def embedded_acceptance(ks, trees, prompts: int, new_tokens: int = 128, ngram_ks=()) -> dict:
+    """Tokens committed per target pass by the embedded code pair (float32), per K / tree, and
+    by n-gram lookup with the embedded target."""
     import jaxspec
     from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
     from jaxspec.humaneval import load_prompts
@@ -211,8 +224,10 @@ def embedded_acceptance(ks, trees, prompts: int, new_tokens: int = 128) -> dict:
     draft = jaxspec.load(embedded_model(DEFAULT_DRAFT), dtype="float32")
     texts = load_prompts(limit=prompts)
     out = {}
-    for label, kw in [(f"K={k}", {"num_draft_tokens": k}) for k in ks] + [(f"tree {t}", {"tree": t}) for t in trees]:
-        outs = jaxspec.generate(texts, target, draft, max_new_tokens=new_tokens, max_batch_size=1,
+    runs = [(f"K={k}", draft, {"num_draft_tokens": k}) for k in ks] + [(f"tree {t}", draft, {"tree": t}) for t in trees]
+    runs += [(f"ngram K={k}", "ngram", {"num_draft_tokens": k}) for k in ngram_ks]
+    for label, d, kw in runs:
+        outs = jaxspec.generate(texts, target, d, max_new_tokens=new_tokens, max_batch_size=1,
                                 warn_below_acceptance=0.0, **kw)
         rounds = sum(o.stats.target_steps - 1 for o in outs)
         per_pos = np.sum([o.stats.accepted_per_position for o in outs], axis=0) / rounds
@@ -300,7 +315,7 @@ def run_scale_bench(args) -> int:
         trees_masks = [(f"tree {name}", ancestor_mask(NAMED_TREES[name])) for name in trees]
         # The target verifies K + 1 tokens or a tree; the draft runs 2 tokens, then 1, or a tree
         # level over [prev, tree nodes].
-        target_sizes = sorted(set(args.verify_sizes) | {1} | {k + 1 for k in args.spec_k})
+        target_sizes = sorted(set(args.verify_sizes) | {1} | {k + 1 for k in args.spec_k + args.ngram_k})
         plan = [("target", target, [causal(t) for t in target_sizes] + trees_masks)]
         if draft is not None:
             plan.append(("draft", draft, [causal(1), causal(2)] + [(n, np.tril(np.ones((len(m) + 1,) * 2, bool)))
@@ -316,12 +331,18 @@ def run_scale_bench(args) -> int:
             emit({"part": "draft_step", "model": draft.name, "ms": one, "floor_ms": floor, "of_floor": floor / one})
     acc = {}
     if "acceptance" in parts:  # before the long spec rows, so a cut-short run keeps it
-        acc = result["embedded_acceptance"] = embedded_acceptance(args.spec_k, trees, args.acceptance_prompts)
+        acc = result["embedded_acceptance"] = embedded_acceptance(args.spec_k if draft is not None else [], trees,
+                                                                  args.acceptance_prompts, args.acceptance_new_tokens,
+                                                                  args.ngram_k)
         print(f"embedded pair acceptance: {acc}", flush=True)
     plain = next((r for r in result["rows"] if r.get("part") == "plain" and r["batch"] == 1 and r["prompt_len"] == P), None)
-    if "spec" in parts and draft is not None:
-        for kw in [{"k": k} for k in args.spec_k] + [{"tree": t} for t in trees]:
-            row = spec_row(target, draft, P, N, R, attention, args.seed, costs, **kw)
+    if "spec" in parts:
+        from jaxspec.ngram import Ngram
+
+        runs = [(draft, {"k": k}) for k in args.spec_k] + [(draft, {"tree": t}) for t in trees] if draft else []
+        runs += [(Ngram(), {"k": k}) for k in args.ngram_k]
+        for d, kw in runs:
+            row = spec_row(target, d, P, N, R, attention, args.seed, costs, **kw)
             emit(row)
             if plain and row["method"] in acc:
                 tpr = acc[row["method"]]["tokens_per_round"]
