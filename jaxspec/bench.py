@@ -49,6 +49,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention path for decode/verify (auto: pallas on GPU, xla on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row; the best is kept")
+    p.add_argument("--hf-repeats", type=int, help="timed passes per HF row (default: --repeats; HF on a CPU is slow)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="jaxspec compute dtype (default: f32 CPU, bf16 GPU)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers rows")
     p.add_argument("--hf-device", default="cpu", help="torch device for HF (default cpu)")
@@ -211,6 +212,7 @@ def run_bench(args) -> int:
         hf_target = load_hf(target_path, args.hf_device, args.hf_dtype, args.threads)
         hf_draft = load_hf(draft_path, args.hf_device, args.hf_dtype, args.threads)
     rows = []
+    hf_repeats = args.hf_repeats or args.repeats
     for batch in args.batch_sizes:
         run = lambda d, k, tree=None: bench_jaxspec(  # noqa: E731
             ids, target, d, k, batch, args.max_new_tokens, args.repeats, tree, args.attention)
@@ -228,14 +230,14 @@ def run_bench(args) -> int:
             print(_fmt(row), flush=True)
         if not args.no_hf:
             eos = set(target.config.eos_token_ids)
-            row, out = bench_hf(ids, hf_target, None, batch, args.max_new_tokens, args.repeats, eos)
+            row, out = bench_hf(ids, hf_target, None, batch, args.max_new_tokens, hf_repeats, eos)
             row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
             rows.append(row)
             print(_fmt(row), flush=True)
             if batch == 1:  # HF assisted generation and prompt lookup serve one sequence at a time
                 peers = [(hf_draft, 0)] if args.k else []
                 for assistant, lookup in peers + [(None, k) for k in args.ngram_k]:
-                    row, out = bench_hf(ids, hf_target, assistant, batch, args.max_new_tokens, args.repeats, eos, lookup)
+                    row, out = bench_hf(ids, hf_target, assistant, batch, args.max_new_tokens, hf_repeats, eos, lookup)
                     row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
                     rows.append(row)
                     print(_fmt(row), flush=True)

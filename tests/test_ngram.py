@@ -188,3 +188,24 @@ def test_generate_command_line(capsys):
                      "4", "--ngram-branches", "2", "--max-new-tokens", "12", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 12 and out["stats"]["drafted"] == 4 * (out["stats"]["target_steps"] - 1)
+
+
+def test_the_test_catches_a_residual_that_keeps_the_rejected_token(tiny_pair, monkeypatch):  # noqa: F811
+    """The classic point-mass mistake: on rejection, drawing from p itself (x not removed)."""
+    import jaxspec.speculative as speculative
+    from jaxspec.acceptance import leading_true
+
+    def keeps_x(drafts, q, p, uniforms, keys):
+        k = drafts.shape[1]
+        accepted = leading_true(uniforms < jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0])
+        p_at = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+        return accepted, jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))(keys, p_at).astype(jnp.int32)
+
+    monkeypatch.setattr(speculative, "accept_sampling", keeps_x)
+    fresh = jax.jit(lambda *a, **kw: speculative.speculative_decode.__wrapped__(*a, **kw),
+                    static_argnames=("target_config", "drafter", "capacity", "max_out", "greedy_only", "attention"))
+    monkeypatch.setattr(runner, "speculative_decode", fresh)
+    monkeypatch.setattr(runner, "_compiled", {})
+    target, _ = tiny_pair
+    setting = SETTINGS[0]
+    assert chi2_pvalue(sampled_joint(target, Ngram(), setting), exact_joint(target, setting)) < 1e-6

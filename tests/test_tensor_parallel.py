@@ -44,6 +44,11 @@ def test_embedded_pair_split_two_ways_decodes_the_same_tokens(real_pair, split_p
     assert [c.stats.accepted_per_position for c in spec] == [c.stats.accepted_per_position for c in whole]
     tree = jaxspec.generate(PROMPTS[:1], split, draft, tree="binary-3", **kw)
     assert _tokens(tree) == _tokens(jaxspec.generate(PROMPTS[:1], target, draft, tree="binary-3", **kw))
+    lookup = dict(num_draft_tokens=4, ngram_branches=2, warn_below_acceptance=0.0, **kw)
+    ngram = jaxspec.generate(PROMPTS[:2], split, "ngram", **lookup)
+    assert _tokens(ngram) == _tokens(whole)
+    assert [c.stats.accepted_per_position for c in ngram] == [
+        c.stats.accepted_per_position for c in jaxspec.generate(PROMPTS[:2], target, "ngram", **lookup)]
 
 
 def test_restored_shards_are_split(split_pair):
