@@ -46,3 +46,14 @@ class KVCache:
             return cache
         shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), cache_specs(cache))
         return jax.lax.with_sharding_constraint(cache, shardings)
+
+    def insert(self, new: "KVCache", slots: jnp.ndarray) -> "KVCache":
+        """This cache with rows `slots` [n] replaced by the n rows of `new` (same capacity); a slot
+        past the last row drops its row."""
+        if isinstance(self.k, tuple):
+            put = lambda a, n: a.at[slots].set(n, mode="drop")  # noqa: E731
+            k, v = tuple(map(put, self.k, new.k)), tuple(map(put, self.v, new.v))
+        else:  # stacked: [layers, b, ...]
+            put = lambda a, n: a.at[:, slots].set(n, mode="drop")  # noqa: E731
+            k, v = put(self.k, new.k), put(self.v, new.v)
+        return self.replace(k=k, v=v, lengths=self.lengths.at[slots].set(new.lengths, mode="drop"))

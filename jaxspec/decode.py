@@ -90,6 +90,40 @@ def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> De
     return state.replace(last_token=token)
 
 
+def start(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, max_out: int,
+          greedy_only: bool) -> DecodeState:
+    """Prefill and the first token: the loop state of a fresh batch (padding rows finished)."""
+    b = batch.tokens.shape[0]
+    logits, cache = prefill(weights, config, batch, capacity, weights.embed.dtype)
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = DecodeState(
+        cache=cache,
+        last_token=zeros,
+        out_tokens=jnp.full((b, max_out), config.pad_token_id, jnp.int32),
+        num_generated=zeros,
+        finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+        steps=jnp.zeros((), jnp.int32),
+    )
+    first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+    return _record(state, first, batch, config.eos_token_ids)
+
+
+def fits(s: DecodeState) -> jnp.ndarray:
+    """[b]: a step has room in the cache (running rows only matter)."""
+    return s.cache.lengths + 1 <= s.cache.capacity
+
+
+def step(weights: Weights, config: ModelConfig, batch: Batch, s: DecodeState, greedy_only: bool,
+         attention: str) -> DecodeState:
+    """One token for every running row."""
+    running = s.finish == RUNNING
+    logits, cache = forward(weights, config, s.last_token[:, None], s.cache, attention=attention)
+    cache = cache.replace(lengths=cache.lengths + running)
+    keys = row_keys(batch.seeds, s.num_generated)
+    token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)
+    return _record(s.replace(cache=cache, steps=s.steps + 1), token, batch, config.eos_token_ids)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "max_out", "greedy_only", "attention"))
 def decode(
     weights: Weights,
@@ -102,36 +136,13 @@ def decode(
     attention: str = "xla",
 ) -> DecodeOutput:
     """Prefill + the whole decode loop as one compiled graph."""
-    dtype = weights.embed.dtype
-    eos_ids = config.eos_token_ids
-    b = batch.tokens.shape[0]
-    logits, cache = prefill(weights, config, batch, capacity, dtype)
-    zeros = jnp.zeros((b,), jnp.int32)
-    state = DecodeState(
-        cache=cache,
-        last_token=zeros,
-        out_tokens=jnp.full((b, max_out), config.pad_token_id, jnp.int32),
-        num_generated=zeros,
-        finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
-        steps=jnp.zeros((), jnp.int32),
-    )
-    first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
-    state = _record(state, first, batch, eos_ids)
+    state = start(weights, config, batch, capacity, max_out, greedy_only)
 
     def cond(s: DecodeState):
         running = s.finish == RUNNING
-        fits = jnp.all(jnp.where(running, s.cache.lengths + 1 <= capacity, True))
-        return jnp.any(running) & fits
+        return jnp.any(running) & jnp.all(jnp.where(running, fits(s), True))
 
-    def body(s: DecodeState):
-        running = s.finish == RUNNING
-        logits, cache = forward(weights, config, s.last_token[:, None], s.cache, attention=attention)
-        cache = cache.replace(lengths=cache.lengths + running)
-        keys = row_keys(batch.seeds, s.num_generated)
-        token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)
-        return _record(s.replace(cache=cache, steps=s.steps + 1), token, batch, eos_ids)
-
-    state = jax.lax.while_loop(cond, body, state)
+    state = jax.lax.while_loop(cond, lambda s: step(weights, config, batch, s, greedy_only, attention), state)
     # Rows still running stopped because the cache is full.
     finish = jnp.where(state.finish == RUNNING, FINISH_LENGTH, state.finish)
     return DecodeOutput(state.out_tokens, state.num_generated, finish, state.steps)

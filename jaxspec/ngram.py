@@ -82,7 +82,7 @@ def distinct(tokens: jnp.ndarray, found: jnp.ndarray, branches: int) -> jnp.ndar
 
 @dataclasses.dataclass(frozen=True)
 class NgramDrafter:
-    """State: the history buffer [b, prompt bucket + max_out] (prompt, then committed tokens)."""
+    """State: the history buffer [b, cache capacity] (prompt, then committed tokens, then -1)."""
 
     k: int  # tokens proposed per branch
     branches: int = 1
@@ -94,10 +94,11 @@ class NgramDrafter:
         return ngram_tree(self.k, self.branches)
 
     def init(self, params, batch, capacity: int, max_out: int, first: jnp.ndarray) -> jnp.ndarray:
+        # As wide as the cache (>= prompt + max_out), so batches of any prompt bucket share one shape.
         b, p = batch.tokens.shape
-        history = jnp.pad(batch.tokens, ((0, 0), (0, max_out)))
+        history = jnp.pad(batch.tokens, ((0, 0), (0, capacity - p)))
         # Mask the padding past each prompt: it must never match.
-        history = jnp.where(jnp.arange(p + max_out)[None, :] < batch.prompt_lens[:, None], history, -1)
+        history = jnp.where(jnp.arange(capacity)[None, :] < batch.prompt_lens[:, None], history, -1)
         return history.at[jnp.arange(b), batch.prompt_lens].set(first)
 
     def propose(self, params, history: jnp.ndarray, r: Round):

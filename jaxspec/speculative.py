@@ -96,6 +96,65 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     return accepted, emitted, path, cache
 
 
+def start(target_weights: Weights, draft_params, config: ModelConfig, drafter: Drafter, batch: Batch,
+          capacity: int, max_out: int, greedy_only: bool) -> SpecState:
+    """Prefill and the first token (from the target's prefill, exactly as in plain decoding):
+    the loop state of a fresh batch (padding rows finished)."""
+    D = TreePlan.of(drafter.tree).max_depth
+    b = batch.tokens.shape[0]
+    logits, t_cache = prefill(target_weights, config, batch, capacity, target_weights.embed.dtype)
+    zeros = jnp.zeros((b,), jnp.int32)
+    first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+    state = SpecState(
+        target_cache=t_cache,
+        draft=drafter.init(draft_params, batch, capacity, max_out, first),
+        prev_token=jnp.take_along_axis(batch.tokens, jnp.maximum(batch.prompt_lens - 1, 0)[:, None], 1)[:, 0],
+        last_token=first,
+        out_tokens=jnp.full((b, max_out), config.pad_token_id, jnp.int32),
+        num_generated=zeros,
+        finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+        rounds=zeros,
+        accepted_per_position=jnp.zeros((b, D), jnp.int32),
+    )
+    return commit_tokens(state, first[:, None], jnp.ones_like(first), batch, config.eos_token_ids)[0]
+
+
+def fits(s: SpecState, batch: Batch, drafter: Drafter) -> jnp.ndarray:
+    """[b]: a round has room (it writes the tree's t nodes at slots n - 1 .. n + t - 2)."""
+    return batch.prompt_lens + s.num_generated + len(drafter.tree) - 1 <= s.target_cache.capacity
+
+
+def round_(target_weights: Weights, draft_params, config: ModelConfig, drafter: Drafter, batch: Batch,
+           s: SpecState, greedy_only: bool, attention: str) -> SpecState:
+    """One propose -> verify -> accept -> commit round for every running row."""
+    plan = TreePlan.of(drafter.tree)
+    t, D = plan.size, plan.max_depth
+    b = batch.prompt_lens.shape[0]
+    running = s.finish == RUNNING
+    n = batch.prompt_lens + s.num_generated  # committed tokens per row
+    # Per row and round: t - 1 keys for the drafter, t - 1 uniforms and one final draw.
+    keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
+    r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
+    tokens, q, draft = drafter.propose(draft_params, s.draft, r)
+    accepted, emitted, path, t_cache = verify(target_weights, config, plan, s.target_cache, tokens, q, n,
+                                              keys[:, t - 1 :], batch.sampling, greedy_only, attention)
+    s2, kept = commit_tokens(s, emitted, accepted + 1, batch, config.eos_token_ids)
+    draft = drafter.commit(draft_params, draft, r, path, emitted, kept)
+    # The last two committed tokens seed the next round.
+    all_tokens = jnp.concatenate([s.last_token[:, None], emitted], axis=1)
+    rows = jnp.arange(b)
+    prev = jnp.where(kept > 0, all_tokens[rows, jnp.maximum(kept - 1, 0)], s.prev_token)
+    last = jnp.where(kept > 0, all_tokens[rows, kept], s.last_token)
+    return s2.replace(
+        target_cache=t_cache,
+        draft=draft,
+        prev_token=prev,
+        last_token=last,
+        rounds=s.rounds + running,
+        accepted_per_position=s.accepted_per_position + (running[:, None] & (jnp.arange(D)[None, :] < accepted[:, None])),
+    )
+
+
 @functools.partial(
     jax.jit, static_argnames=("target_config", "drafter", "capacity", "max_out", "greedy_only", "attention"),
 )
@@ -113,61 +172,14 @@ def speculative_decode(
 ) -> SpecOutput:
     """Prefill, then propose -> verify -> accept -> commit rounds in one while_loop.
     drafter: static (jaxspec.drafting); draft_params: its arrays (a draft model's weights, or None)."""
-    plan = TreePlan.of(drafter.tree)
-    t, D = plan.size, plan.max_depth
-    eos_ids = target_config.eos_token_ids
-    b = batch.tokens.shape[0]
-    logits, t_cache = prefill(target_weights, target_config, batch, capacity, target_weights.embed.dtype)
-    zeros = jnp.zeros((b,), jnp.int32)
-    # The first token comes from the target's prefill, exactly as in plain decoding.
-    first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
-    state = SpecState(
-        target_cache=t_cache,
-        draft=drafter.init(draft_params, batch, capacity, max_out, first),
-        prev_token=jnp.take_along_axis(batch.tokens, jnp.maximum(batch.prompt_lens - 1, 0)[:, None], 1)[:, 0],
-        last_token=first,
-        out_tokens=jnp.full((b, max_out), target_config.pad_token_id, jnp.int32),
-        num_generated=zeros,
-        finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
-        rounds=zeros,
-        accepted_per_position=jnp.zeros((b, D), jnp.int32),
-    )
-    state, _ = commit_tokens(state, first[:, None], jnp.ones_like(first), batch, eos_ids)
-
-    def committed(s: SpecState):
-        return batch.prompt_lens + s.num_generated  # n per row
+    state = start(target_weights, draft_params, target_config, drafter, batch, capacity, max_out, greedy_only)
 
     def cond(s: SpecState):
         running = s.finish == RUNNING
-        # A round writes the tree's t nodes at slots n - 1 .. n + t - 2.
-        fits = jnp.all(jnp.where(running, committed(s) + t - 1 <= capacity, True))
-        return jnp.any(running) & fits
+        return jnp.any(running) & jnp.all(jnp.where(running, fits(s, batch, drafter), True))
 
     def body(s: SpecState):
-        running = s.finish == RUNNING
-        n = committed(s)
-        # Per row and round: t - 1 keys for the drafter, t - 1 uniforms and one final draw.
-        keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
-        r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
-        tokens, q, draft = drafter.propose(draft_params, s.draft, r)
-        accepted, emitted, path, t_cache = verify(target_weights, target_config, plan, s.target_cache, tokens, q, n,
-                                                  keys[:, t - 1 :], batch.sampling, greedy_only, attention)
-        s2, kept = commit_tokens(s, emitted, accepted + 1, batch, eos_ids)
-        draft = drafter.commit(draft_params, draft, r, path, emitted, kept)
-        # The last two committed tokens seed the next round.
-        all_tokens = jnp.concatenate([s.last_token[:, None], emitted], axis=1)
-        rows = jnp.arange(b)
-        prev = jnp.where(kept > 0, all_tokens[rows, jnp.maximum(kept - 1, 0)], s.prev_token)
-        last = jnp.where(kept > 0, all_tokens[rows, kept], s.last_token)
-        return s2.replace(
-            target_cache=t_cache,
-            draft=draft,
-            prev_token=prev,
-            last_token=last,
-            rounds=s.rounds + running,
-            accepted_per_position=s.accepted_per_position
-            + (running[:, None] & (jnp.arange(D)[None, :] < accepted[:, None])),
-        )
+        return round_(target_weights, draft_params, target_config, drafter, batch, s, greedy_only, attention)
 
     state = jax.lax.while_loop(cond, body, state)
     finish = jnp.where(state.finish == RUNNING, FINISH_LENGTH, state.finish)
