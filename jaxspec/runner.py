@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jaxspec.decode import FINISH_REASONS, Batch, decode
+from jaxspec.errors import InputError
 from jaxspec.draft_model import ModelDrafter
 from jaxspec.loading import Model, replicated_on
 from jaxspec.ngram import Ngram
@@ -118,14 +119,27 @@ def _stats(request: Request, out, row: int, speculative: bool) -> RequestStats:
     )
 
 
+SCHEDULERS = ("static", "continuous")
+
+
 def run(
     target: Model, requests: list[Request], max_batch_size: int,
     draft: Model | Ngram | None = None, num_draft: int = 0, tree: Tree | None = None, attention: str = "xla",
+    scheduler: str = "static", refill_at: int | None = None, on_done=None,
 ) -> Completions:
-    """Decodes all requests in order; speculatively when a draft is given: a draft model over
-    `tree` or else a chain of num_draft tokens, or n-gram lookup of num_draft tokens per branch."""
+    """Decodes all requests (results in their order); speculatively when a draft is given: a
+    draft model over `tree` or else a chain of num_draft tokens, or n-gram lookup of num_draft
+    tokens per branch.
+    scheduler "static": padded batches of up to max_batch_size, each run until its longest row
+    ends; "continuous": max_batch_size slots, refilled as rows finish (jaxspec.continuous;
+    refill_at: rows freed before a refill). on_done(pairs, decode_s, compile_s) gets the
+    (request index, Completion) pairs as they finish (continuous) or per batch (static)."""
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if isinstance(draft, Model):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
+    if scheduler == "continuous":
+        return _run_continuous(target, requests, max_batch_size, draft, num_draft, tree, attention, refill_at, on_done)
     if draft is not None:
         drafter, params = drafter_for(draft, num_draft, tree)
     start = time.perf_counter()
@@ -154,10 +168,16 @@ def run(
             text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
             stats = _stats(reqs[row], out, row, draft is not None)
             results[i] = Completion(text, ids, FINISH_REASONS[int(out.finish[row])], stats)
-    metrics = CallMetrics(
-        requests=len(requests),
+        if on_done is not None:
+            on_done([(i, results[i]) for i in group], time.perf_counter() - t0, spent)
+    return Completions(results, _metrics(results, time.perf_counter() - start, compile_s, decode_s, graphs))
+
+
+def _metrics(results: list[Completion], wall_s: float, compile_s: float, decode_s: float, graphs: int) -> CallMetrics:
+    return CallMetrics(
+        requests=len(results),
         new_tokens=sum(c.stats.new_tokens for c in results),
-        wall_s=time.perf_counter() - start,
+        wall_s=wall_s,
         compile_s=compile_s,
         decode_s=decode_s,
         graphs_compiled=graphs,
@@ -165,4 +185,28 @@ def run(
         drafted=sum(c.stats.drafted for c in results),
         accepted=sum(c.stats.accepted for c in results),
     )
-    return Completions(results, metrics)
+
+
+def _run_continuous(target, requests, slots, draft, num_draft, tree, attention, refill_at, on_done) -> Completions:
+    """Greedy and sampled requests each through their own slots (one graph each), in that order."""
+    from jaxspec.continuous import PlainLoop, SpeculativeLoop, run_slots
+
+    start = time.perf_counter()
+    if draft is None:
+        loop, params = PlainLoop(target.config), None
+    else:
+        drafter, params = drafter_for(draft, num_draft, tree)
+        loop = SpeculativeLoop(target.config, drafter)
+    results: list[Completion | None] = [None] * len(requests)
+    compile_s = decode_s = 0.0
+    graphs = 0
+    for greedy in (True, False):
+        group = [(i, r) for i, r in enumerate(requests) if r.sampling.greedy == greedy]
+        if not group:
+            continue
+        done, d, c, g = run_slots(target, group, min(slots, len(group)), loop, params, attention, greedy,
+                                  refill_at=refill_at, on_done=on_done)
+        for i, completion in done.items():
+            results[i] = completion
+        decode_s, compile_s, graphs = decode_s + d, compile_s + c, graphs + g
+    return Completions(results, _metrics(results, time.perf_counter() - start, compile_s, decode_s, graphs))

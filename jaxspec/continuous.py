@@ -1,0 +1,195 @@
+"""Continuous batching: B decode slots kept busy; rows that finish are refilled with new requests.
+
+The engine's shape stays: decoding is a jitted while_loop with no host round trip per token. It
+returns to the host once `refill_at` rows have finished since it was entered (or no row runs, or
+after `max_steps` steps); the host writes those rows' completions, a jitted prefill-and-insert
+(`admit`, JetStream's prefill / insert split) starts new requests in the freed slots of every
+cache, and the loop resumes. New requests are prefilled in their own prompt-length bucket, so a
+job compiles one loop graph and a few admit graphs. Per-request output, statistics and seeds do
+not depend on the slot or the neighbours: each row's random stream depends on its seed and token
+index only, and a row's statistics count only its own rounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import decode as plain
+from jaxspec import speculative as spec
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.decode import FINISH_REASONS, RUNNING, Batch
+from jaxspec.drafting import Drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainLoop:
+    config: ModelConfig
+
+    def start(self, weights, params, batch, capacity, max_out, greedy_only):
+        return plain.start(weights, self.config, batch, capacity, max_out, greedy_only)
+
+    def fits(self, s, batch):
+        return plain.fits(s)
+
+    def step(self, weights, params, batch, s, greedy_only, attention):
+        return plain.step(weights, self.config, batch, s, greedy_only, attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeLoop:
+    config: ModelConfig
+    drafter: Drafter
+
+    def start(self, weights, params, batch, capacity, max_out, greedy_only):
+        return spec.start(weights, params, self.config, self.drafter, batch, capacity, max_out, greedy_only)
+
+    def fits(self, s, batch):
+        return spec.fits(s, batch, self.drafter)
+
+    def step(self, weights, params, batch, s, greedy_only, attention):
+        return spec.round_(weights, params, self.config, self.drafter, batch, s, greedy_only, attention)
+
+
+def insert_rows(big, new, slots: jnp.ndarray):
+    """`big` (a loop state or Batch over all slots) with rows `slots` [n] replaced by `new`'s n
+    rows; caches row by row in their own layout, scalars kept; a slot index past the end drops."""
+    def put(b, n):
+        if isinstance(b, KVCache):
+            return b.insert(n, slots)
+        return b if b.ndim == 0 else b.at[slots].set(n, mode="drop")
+    return jax.tree.map(put, big, new, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def _slot_batch(batch: Batch) -> Batch:
+    """The loop reads no prompt tokens (prefill did): slots keep a [b, 1] stand-in."""
+    return batch.replace(tokens=jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only"))
+def begin(weights, params, batch, *, loop, capacity, max_out, greedy_only):
+    """Every slot empty (a batch of padding rows)."""
+    return loop.start(weights, params, batch, capacity, max_out, greedy_only), _slot_batch(batch)
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only"),
+                   donate_argnames=("state", "slots_batch"))
+def admit(weights, params, state, slots_batch, new_batch, slots, *, loop, capacity, max_out, greedy_only):
+    """Prefills new_batch's rows and puts them into `slots` (past the end: padding, dropped)."""
+    new = loop.start(weights, params, new_batch, capacity, max_out, greedy_only)
+    return insert_rows(state, new, slots), insert_rows(slots_batch, _slot_batch(new_batch), slots)
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "greedy_only", "attention"), donate_argnames=("state",))
+def advance(weights, params, slots_batch, state, need, max_steps, *, loop, greedy_only, attention):
+    """Decodes until `need` more rows have finished, no row runs, or max_steps steps."""
+    done_at_entry = jnp.sum(state.finish != RUNNING)
+
+    def cond(carry):
+        s, i = carry
+        running = s.finish == RUNNING
+        room = jnp.all(jnp.where(running, loop.fits(s, slots_batch), True))
+        return jnp.any(running) & room & (jnp.sum(s.finish != RUNNING) - done_at_entry < need) & (i < max_steps)
+
+    def body(carry):
+        s, i = carry
+        return loop.step(weights, params, slots_batch, s, greedy_only, attention), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
+
+
+def _compiled(fn, static: dict, *args):
+    """fn's executable for these argument shapes (runner's cache: compiled once per shape)."""
+    from jaxspec.runner import _executable
+
+    shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))
+    key = (fn.__name__, tuple(sorted(static.items())), jax.tree.structure(args), shapes)
+    return _executable(key, lambda: fn.lower(*args, **static))
+
+
+def default_refill_at(slots: int) -> int:
+    """Rows to free before refilling: a quarter of the slots (measured: README, Continuous batching)."""
+    return max(1, slots // 4)
+
+
+def run_slots(target, requests, slots: int, loop, params, attention: str, greedy_only: bool, *,
+              refill_at: int | None = None, max_steps: int | None = None, on_done=None):
+    """Decodes `requests` (indices into the caller's list, Request) through `slots` slots.
+    on_done(pairs, decode_s, compile_s): called at each return to the host with the (index,
+    Completion) pairs that finished. Returns (completions by index, decode_s, compile_s, graphs)."""
+    from jaxspec.runner import _stats, bucket, cache_capacity, make_batch
+    from jaxspec.sharding import replicate
+
+    pad = target.config.pad_token_id
+    reqs = dict(requests)
+    prompt_max = bucket(max(len(r.token_ids) for r in reqs.values()))
+    max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
+    slack = len(loop.drafter.tree) + 1 if isinstance(loop, SpeculativeLoop) else 0
+    capacity = cache_capacity(prompt_max, max_out, slack)
+    refill_at = refill_at or default_refill_at(slots)
+    max_steps = max_steps or max_out
+    static = dict(loop=loop, capacity=capacity, max_out=max_out, greedy_only=greedy_only)
+    timing = {"decode": 0.0, "compile": 0.0, "graphs": 0}
+
+    def call(fn, static, *args):
+        exe, spent = _compiled(fn, static, *args)
+        timing["compile"] += spent
+        timing["graphs"] += spent > 0
+        return exe(*args)
+
+    # Whole on every device of the target's mesh, as the static scheduler's batches.
+    state, batch = call(begin, static, target.weights, params, replicate(make_batch([], slots, 1, pad), target.mesh))
+    pending = collections.deque(sorted(reqs, key=lambda i: len(reqs[i].token_ids)))
+    holder: list[int | None] = [None] * slots
+    done: dict[int, object] = {}
+    while pending or any(h is not None for h in holder):
+        t0, compiled_before = time.perf_counter(), timing["compile"]
+        free = [i for i, h in enumerate(holder) if h is None]
+        taken = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+        by_bucket: dict[int, list[tuple[int, int]]] = {}
+        for slot, index in zip(free, taken):
+            by_bucket.setdefault(bucket(len(reqs[index].token_ids)), []).append((slot, index))
+            holder[slot] = index
+        for width, group in by_bucket.items():
+            rows = bucket(len(group), 1)
+            new = replicate(make_batch([reqs[i] for _, i in group], rows, width, pad), target.mesh)
+            where = np.full(rows, slots, np.int32)  # padding rows land past the end: dropped
+            where[: len(group)] = [s for s, _ in group]
+            state, batch = call(admit, static, target.weights, params, state, batch, new, jnp.asarray(where))
+        need = jnp.int32(min(refill_at, len(pending)) if pending else slots + 1)
+        state = call(advance, dict(loop=loop, greedy_only=greedy_only, attention=attention),
+                     target.weights, params, batch, state, need, jnp.int32(max_steps))
+        finish = np.asarray(jax.device_get(state.finish))
+        ended = [s for s, h in enumerate(holder) if h is not None and finish[s] != RUNNING]
+        pairs = []
+        if ended:
+            fields = ["out_tokens", "num_generated"] + (["rounds", "accepted_per_position"] if slack else [])
+            out = types.SimpleNamespace(**{f: np.asarray(jax.device_get(getattr(state, f))) for f in fields})
+            for s in ended:
+                index, n = holder[s], int(out.num_generated[s])
+                ids = out.out_tokens[s, :n].tolist()
+                text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
+                done[index] = _completion(text, ids, FINISH_REASONS[int(finish[s])],
+                                          _stats(reqs[index], out, s, bool(slack)))
+                pairs.append((index, done[index]))
+                holder[s] = None
+        compiled = timing["compile"] - compiled_before
+        spent = time.perf_counter() - t0 - compiled
+        timing["decode"] += spent
+        if on_done is not None and pairs:
+            on_done(pairs, spent, compiled)
+    return done, timing["decode"], timing["compile"], timing["graphs"]
+
+
+def _completion(text, ids, reason, stats):
+    from jaxspec.stats import Completion
+
+    return Completion(text, ids, reason, stats)
