@@ -37,7 +37,7 @@ from jaxspec.ngram import Ngram
 from jaxspec.requests import (
     Request, SamplingSettings, check_max_new_tokens, check_seed, check_token_ids, encode_prompt,
 )
-from jaxspec.runner import bucket, run
+from jaxspec.runner import SCHEDULERS, bucket, run
 from jaxspec.trees import resolve_tree
 
 log = logging.getLogger("jaxspec")
@@ -361,6 +361,7 @@ class JobSettings:
     auto_min_speedup: float
     warn_below_acceptance: float
     progress: bool
+    scheduler: str
 
 
 def run_job(
@@ -388,13 +389,17 @@ def run_job(
     plot_path: str | Path | None | bool = True,
     warn_below_acceptance: float = 0.6,
     progress: bool = True,
+    scheduler: str = "continuous",
 ) -> dict:
     """Runs (or resumes) a batch job from `in_path` into `out_path`; returns the summary dict.
 
     draft: speculative decoding with K = num_draft_tokens when given (a draft model, or
     jaxspec.ngram.Ngram for n-gram lookup), plain decoding when None.
     max_new_tokens, temperature, top_k, top_p, seed: defaults for records without their own.
-    batch_size: records per device batch (and per durable output chunk).
+    batch_size: records decoded at once: slots of the continuous scheduler, rows of a static batch.
+    scheduler: "continuous" (default) refills a slot as soon as its record finishes, writing the
+    records that finished at each return to the host in one durable write; "static" runs padded
+    batches of similar records until each batch's longest ends (one durable write per batch).
     auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
     named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) when the draft is a model, and
     n-gram lookup with each K in auto_ngram_ks (the draft's settings when it is an Ngram) on a sample
@@ -416,6 +421,8 @@ def run_job(
         raise InputError("the output file must not be the input file")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InputError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if not isinstance(warn_below_acceptance, (int, float)) or not 0 <= warn_below_acceptance <= 1:
         raise InputError(f"warn_below_acceptance must be in [0, 1]; got {warn_below_acceptance!r}")
     if auto and draft is None:
@@ -440,7 +447,8 @@ def run_job(
             raise InputError(f"auto_repeats must be an integer >= 1; got {auto_repeats!r}")
     defaults = JobDefaults(max_new_tokens, temperature, top_k, top_p, seed)
     settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), tuple(auto_trees),
-                           tuple(auto_ngram_ks), auto_repeats, auto_min_speedup, warn_below_acceptance, progress)
+                           tuple(auto_ngram_ks), auto_repeats, auto_min_speedup, warn_below_acceptance, progress,
+                           scheduler)
     paths = default_paths(out_path)
     paths["summary"] = Path(summary_path) if summary_path else paths["summary"]
     paths["plot"] = paths["plot"] if plot_path is True else (Path(plot_path) if plot_path else None)
@@ -491,9 +499,16 @@ class _Job:
             self.bar.update(len(failed), 0.0, None)
             if self.settings.auto and todo:
                 todo = self.canary(todo)
-            for chunk in plan_chunks(todo, self.settings.batch_size):
-                tree = resolve_tree(self.tree) if self.tree else None
-                drafter = (self.ngram or self.draft) if self.num_draft else None
+            tree = resolve_tree(self.tree) if self.tree else None
+            drafter = (self.ngram or self.draft) if self.num_draft else None
+            if self.settings.scheduler == "continuous" and todo:
+                # Rows are written as they finish, a return to the host at a time.
+                def on_done(pairs, decode_s, compile_s):
+                    self.commit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, "job")
+
+                run(self.target, [r.request for r in todo], self.settings.batch_size, draft=drafter,
+                    num_draft=self.num_draft, tree=tree, scheduler="continuous", on_done=on_done)
+            for chunk in plan_chunks(todo, self.settings.batch_size) if self.settings.scheduler == "static" else ():
                 outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
                            draft=drafter, num_draft=self.num_draft, tree=tree)
                 self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
@@ -517,6 +532,7 @@ class _Job:
             "batch", phase=phase, method=method, num_draft_tokens=nd, tree=self.tree,
             drafter="ngram" if self.ngram and nd else "model" if nd else None,
             prompt_version=_versions(lines), records=len(lines), batch_size=self.settings.batch_size,
+            scheduler=self.settings.scheduler,
             prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
             compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
             acceptance_rate=t["acceptance_rate"], tokens_per_step=t["tokens_per_step"],
@@ -612,7 +628,7 @@ class _Job:
                 "target": self.target.name, "draft": self.draft.name if self.draft is not None else None,
                 "method": method_name(self.num_draft, self.tree, self.ngram), "num_draft_tokens": self.num_draft,
                 "tree": self.tree, "drafter": "ngram" if self.ngram and self.num_draft else "model" if self.num_draft else None,
-                "batch_size": s.batch_size, **dataclasses.asdict(d), "auto": s.auto,
+                "batch_size": s.batch_size, "scheduler": s.scheduler, **dataclasses.asdict(d), "auto": s.auto,
                 "auto_sample": s.auto_sample if s.auto else None,
                 "auto_ks": list(s.auto_ks) if s.auto else None,
                 "auto_trees": list(s.auto_trees) if s.auto else None,
@@ -627,14 +643,29 @@ class _Job:
         }
 
 
-def write_humaneval_jsonl(path: str | Path, limit: int | None = None) -> Path:
-    """Writes the repository's HumanEval prompts as a batch input ({"id": "HumanEval/i", "prompt"})."""
+def lognormal_budgets(n: int, median: float = 200, sigma: float = 0.8, cap: int = 1024, seed: int = 0) -> list[int]:
+    """Chat-like answer lengths: n draws of a fixed-seed lognormal (this median and sigma), in [1, cap]."""
+    import numpy as np
+
+    draws = np.random.default_rng(seed).lognormal(np.log(median), sigma, n)
+    return [int(x) for x in np.clip(np.ceil(draws), 1, cap)]
+
+
+def write_humaneval_jsonl(path: str | Path, limit: int | None = None, lognormal: dict | bool | None = None) -> Path:
+    """Writes the repository's HumanEval prompts as a batch input ({"id": "HumanEval/i", "prompt"}).
+    lognormal: True (or lognormal_budgets' keywords) gives each record its own "max_new_tokens",
+    drawn from that fixed-seed mix: a job whose records end at very different lengths."""
     from jaxspec.humaneval import load_prompts
 
     path = Path(path)
     if path.exists():
         raise InputError(f"{path} already exists; not overwriting it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"id": f"HumanEval/{i}", "prompt": p}) for i, p in enumerate(load_prompts(limit=limit))]
+    prompts = load_prompts(limit=limit)
+    records = [{"id": f"HumanEval/{i}", "prompt": p} for i, p in enumerate(prompts)]
+    if lognormal:
+        for r, budget in zip(records, lognormal_budgets(len(records), **(lognormal if isinstance(lognormal, dict) else {}))):
+            r["max_new_tokens"] = budget
+    lines = [json.dumps(r) for r in records]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

@@ -130,7 +130,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup (default: the embedded code-draft-4m)')
     p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
-    p.add_argument("--batch-size", type=int, default=8, help="records per device batch and per output chunk (default 8)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="records decoded at once: continuous slots or static batch rows (default 8)")
+    p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
+                   help="continuous (default): refill a slot as soon as its record finishes; static: padded "
+                        "batches run until their longest record ends")
     add_sampling_args(p)
     p.add_argument("--auto", action="store_true",
                    help="canary: time plain and speculative decoding (each --auto-k) on a sample of the job, "
@@ -208,6 +212,7 @@ def run_batch(args) -> int:
             metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
             summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
             warn_below_acceptance=args.warn_below_acceptance, progress=not args.no_progress,
+            scheduler=args.scheduler,
         )
     print(format_summary(summary))
     return 0

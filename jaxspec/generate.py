@@ -136,8 +136,10 @@ def generate(
     elif tree is not None:
         raise InputError("tree needs a draft model: pass draft=... (or drop tree for plain decoding)")
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
+    # Past one batch, slots are refilled as rows finish rather than waiting for a batch's longest.
+    scheduler = "continuous" if len(requests) > max_batch_size else "static"
     outs = run(target, requests, max_batch_size, draft=draft, num_draft=num_draft_tokens, tree=tree,
-               attention=resolve_attention(attention))
+               attention=resolve_attention(attention), scheduler=scheduler)
     rate = outs.metrics.acceptance_rate
     # Lookup proposals cost no draft passes: a low acceptance rate is no warning sign there.
     if rate is not None and isinstance(draft, Model) and rate < warn_below_acceptance:
