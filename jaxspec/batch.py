@@ -362,6 +362,7 @@ class JobSettings:
     warn_below_acceptance: float
     progress: bool
     scheduler: str
+    refill_at: int | None
 
 
 def run_job(
@@ -390,6 +391,7 @@ def run_job(
     warn_below_acceptance: float = 0.6,
     progress: bool = True,
     scheduler: str = "continuous",
+    refill_at: int | None = None,
 ) -> dict:
     """Runs (or resumes) a batch job from `in_path` into `out_path`; returns the summary dict.
 
@@ -400,6 +402,7 @@ def run_job(
     scheduler: "continuous" (default) refills a slot as soon as its record finishes, writing the
     records that finished at each return to the host in one durable write; "static" runs padded
     batches of similar records until each batch's longest ends (one durable write per batch).
+    refill_at: continuous slots freed before new records are let in (default: a quarter of them).
     auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
     named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) when the draft is a model, and
     n-gram lookup with each K in auto_ngram_ks (the draft's settings when it is an Ngram) on a sample
@@ -421,6 +424,8 @@ def run_job(
         raise InputError("the output file must not be the input file")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InputError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+    if refill_at is not None and (isinstance(refill_at, bool) or not isinstance(refill_at, int) or refill_at < 1):
+        raise InputError(f"refill_at must be an integer >= 1; got {refill_at!r}")
     if scheduler not in SCHEDULERS:
         raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if not isinstance(warn_below_acceptance, (int, float)) or not 0 <= warn_below_acceptance <= 1:
@@ -448,7 +453,7 @@ def run_job(
     defaults = JobDefaults(max_new_tokens, temperature, top_k, top_p, seed)
     settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), tuple(auto_trees),
                            tuple(auto_ngram_ks), auto_repeats, auto_min_speedup, warn_below_acceptance, progress,
-                           scheduler)
+                           scheduler, refill_at)
     paths = default_paths(out_path)
     paths["summary"] = Path(summary_path) if summary_path else paths["summary"]
     paths["plot"] = paths["plot"] if plot_path is True else (Path(plot_path) if plot_path else None)
@@ -507,7 +512,8 @@ class _Job:
                     self.commit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, "job")
 
                 run(self.target, [r.request for r in todo], self.settings.batch_size, draft=drafter,
-                    num_draft=self.num_draft, tree=tree, scheduler="continuous", on_done=on_done)
+                    num_draft=self.num_draft, tree=tree, scheduler="continuous", refill_at=self.settings.refill_at,
+                    on_done=on_done)
             for chunk in plan_chunks(todo, self.settings.batch_size) if self.settings.scheduler == "static" else ():
                 outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
                            draft=drafter, num_draft=self.num_draft, tree=tree)

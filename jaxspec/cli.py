@@ -135,6 +135,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
                    help="continuous (default): refill a slot as soon as its record finishes; static: padded "
                         "batches run until their longest record ends")
+    p.add_argument("--refill-at", type=int, help="continuous: slots freed before new records are let in "
+                                                "(default: a quarter of --batch-size)")
     add_sampling_args(p)
     p.add_argument("--auto", action="store_true",
                    help="canary: time plain and speculative decoding (each --auto-k) on a sample of the job, "
@@ -212,7 +214,7 @@ def run_batch(args) -> int:
             metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
             summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
             warn_below_acceptance=args.warn_below_acceptance, progress=not args.no_progress,
-            scheduler=args.scheduler,
+            scheduler=args.scheduler, refill_at=args.refill_at,
         )
     print(format_summary(summary))
     return 0
