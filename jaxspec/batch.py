@@ -402,7 +402,7 @@ def run_job(
     scheduler: "continuous" (default) refills a slot as soon as its record finishes, writing the
     records that finished at each return to the host in one durable write; "static" runs padded
     batches of similar records until each batch's longest ends (one durable write per batch).
-    refill_at: continuous slots freed before new records are let in (default: a quarter of them).
+    refill_at: continuous slots freed before new records are let in (default 1, measured best).
     auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
     named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) when the draft is a model, and
     n-gram lookup with each K in auto_ngram_ks (the draft's settings when it is an Ngram) on a sample
