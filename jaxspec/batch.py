@@ -30,7 +30,7 @@ from pathlib import Path
 from jaxspec import report
 from jaxspec.canary import method_name, pick_sample, run_canary, sample_size
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.generate import check_draft
+from jaxspec.generate import check_draft, resolve_attention
 from jaxspec.loading import Model, replicated_on
 from jaxspec.metrics_log import AcceptanceWatch, MetricsLog, low_acceptance_message
 from jaxspec.ngram import Ngram
@@ -402,7 +402,7 @@ def run_job(
     scheduler: "continuous" (default) refills a slot as soon as its record finishes, writing the
     records that finished at each return to the host in one durable write; "static" runs padded
     batches of similar records until each batch's longest ends (one durable write per batch).
-    refill_at: continuous slots freed before new records are let in (default 1, measured best).
+    refill_at: continuous slots freed before new records are let in (default: jaxspec.continuous.default_refill_at).
     auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
     named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) when the draft is a model, and
     n-gram lookup with each K in auto_ngram_ks (the draft's settings when it is an Ngram) on a sample
@@ -506,17 +506,18 @@ class _Job:
                 todo = self.canary(todo)
             tree = resolve_tree(self.tree) if self.tree else None
             drafter = (self.ngram or self.draft) if self.num_draft else None
+            attention = resolve_attention("auto")  # the fused kernel on GPUs (XLA's attention on the CPU)
             if self.settings.scheduler == "continuous" and todo:
                 # Rows are written as they finish, a return to the host at a time.
                 def on_done(pairs, decode_s, compile_s):
                     self.commit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, "job")
 
                 run(self.target, [r.request for r in todo], self.settings.batch_size, draft=drafter,
-                    num_draft=self.num_draft, tree=tree, scheduler="continuous", refill_at=self.settings.refill_at,
-                    on_done=on_done)
+                    num_draft=self.num_draft, tree=tree, attention=attention, scheduler="continuous",
+                    refill_at=self.settings.refill_at, on_done=on_done)
             for chunk in plan_chunks(todo, self.settings.batch_size) if self.settings.scheduler == "static" else ():
                 outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
-                           draft=drafter, num_draft=self.num_draft, tree=tree)
+                           draft=drafter, num_draft=self.num_draft, tree=tree, attention=attention)
                 self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
         finally:
             self.bar.close()

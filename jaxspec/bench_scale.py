@@ -205,9 +205,12 @@ def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, co
             "overhead": round_ms / (draft_ms + verify_ms) - 1}
 
 
-def scheduler_rows(model, batch: int, prompt_len: int, records: int, seed: int, refills=(None,)) -> list[dict]:
+def scheduler_rows(model, batch: int, prompt_len: int, records: int, seed: int, attention: str,
+                   refills=(None,)) -> list[dict]:
     """records/s of one lognormal-budget job (jaxspec.batch.lognormal_budgets) under the static
-    and the continuous scheduler, plain decoding; time = wall clock less compiling."""
+    and the continuous scheduler, plain decoding, with the run's attention (the fused kernel
+    reads each row's own prefix; XLA's attention reads the whole cache, and continuous slots
+    share one cache sized for the longest record); time = wall clock less compiling."""
     from jaxspec.batch import lognormal_budgets
     from jaxspec.requests import Request, SamplingSettings
     from jaxspec.runner import bucket, run
@@ -218,7 +221,7 @@ def scheduler_rows(model, batch: int, prompt_len: int, records: int, seed: int, 
     reqs.sort(key=lambda r: bucket(r.max_new_tokens))  # static batches of one budget bucket, as batch jobs plan them
     rows = []
     for scheduler, refill_at in [("static", None)] + [("continuous", r) for r in refills]:
-        m = run(model, reqs, batch, scheduler=scheduler, refill_at=refill_at).metrics
+        m = run(model, reqs, batch, scheduler=scheduler, refill_at=refill_at, attention=attention).metrics
         seconds = m.wall_s - m.compile_s
         rows.append({"part": "continuous", "model": model.name, "scheduler": scheduler, "refill_at": refill_at,
                      "batch": batch,
@@ -379,7 +382,8 @@ def run_scale_bench(args) -> int:
         emit(prefill_row(target, args.prefill_len, R, rate, args.seed))
     if "continuous" in parts:
         for b in args.batch_sizes:
-            for row in scheduler_rows(target, b, P, args.job_records_per_slot * b, args.seed, args.refill_at or [None]):
+            for row in scheduler_rows(target, b, P, args.job_records_per_slot * b, args.seed, attention,
+                                      args.refill_at or [None]):
                 emit(row)
     save()
     _print_summary(result)

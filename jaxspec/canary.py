@@ -101,10 +101,14 @@ class Trial:
         return self.num_draft, self.tree, self.ngram
 
     def run(self, target: Model, draft: Model | None, chunk: list[Request], batch_size: int) -> Completions:
+        from jaxspec.generate import resolve_attention
+
+        attention = resolve_attention("auto")  # the fused kernel on GPUs, as the job itself runs
         if not self.num_draft:
-            return run(target, chunk, batch_size)
+            return run(target, chunk, batch_size, attention=attention)
         tree = resolve_tree(self.tree) if self.tree else None
-        return run(target, chunk, batch_size, draft=self.ngram or draft, num_draft=self.num_draft, tree=tree)
+        return run(target, chunk, batch_size, draft=self.ngram or draft, num_draft=self.num_draft, tree=tree,
+                   attention=attention)
 
     @property
     def completions(self) -> list:

@@ -136,7 +136,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help="continuous (default): refill a slot as soon as its record finishes; static: padded "
                         "batches run until their longest record ends")
     p.add_argument("--refill-at", type=int, help="continuous: slots freed before new records are let in "
-                                                "(default 1: measured best)")
+                                                "(default: 1 on the CPU, an eighth of the slots on GPUs)")
     add_sampling_args(p)
     p.add_argument("--auto", action="store_true",
                    help="canary: time plain and speculative decoding (each --auto-k) on a sample of the job, "
