@@ -117,7 +117,7 @@ def _compiled(fn, static: dict, *args):
 
 def default_refill_at(slots: int) -> int:
     """Slots to free before refilling. CPU: one (embedded model, 16 slots, lognormal job:
-    refilling at 1 / 4 / 8 free slots gave 1.88 / 1.71 / 1.51 records/s). GPUs: an eighth of the
+    refilling at 1 / 4 free slots gave 1.94 / 1.76 records/s). GPUs: an eighth of the
     slots: at the 8B shape on an H200 a return to the host (sync, one-row prefill, insert) cost
     about 13 ms, two decode steps, and refilling at 1 / 8 of 64 slots ran 0.74x / 0.90x the
     static scheduler in one run (README, Continuous batching)."""
