@@ -12,7 +12,8 @@ throughput; each line names its "id" and input "line"): "text", "token_ids", "fi
 not be served. A line that is not a readable record with an id gets the id "line:N" (N = its
 1-based line number in the input).
 
-Crash safety: each completed chunk (one device batch) is appended in one write, flushed and
+Crash safety: the records that finished at each return to the host (a static device batch, or
+the rows freed in the continuous scheduler's slots) are appended in one write, flushed and
 fsynced. Rerunning the same command after a crash (even kill -9) truncates a torn final line,
 skips ids already in the output and serves the rest, so every input id ends up in the output
 exactly once; complete lines already written are never changed.

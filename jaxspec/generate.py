@@ -10,6 +10,7 @@ import jax
 
 from jaxspec.errors import InputError
 from jaxspec.loading import Model
+from jaxspec.metrics_log import below
 from jaxspec.model import ATTENTION_IMPLS
 from jaxspec.ngram import Ngram
 from jaxspec.trees import MAX_TREE_NODES, chain, resolve_tree
@@ -144,8 +145,8 @@ def generate(
     # Lookup proposals cost no draft passes: a low acceptance rate is no warning sign there.
     if rate is not None and isinstance(draft, Model) and rate < warn_below_acceptance:
         log.warning(
-            "acceptance rate %.2f is below %.2f: the draft %r may cost more than it saves for target %r "
+            "acceptance rate %s: the draft %r may cost more than it saves for target %r "
             "(try a smaller num_draft_tokens, a better-matched draft, or plain decoding)",
-            rate, warn_below_acceptance, draft.name, target.name,
+            below(rate, warn_below_acceptance), draft.name, target.name,
         )
     return outs

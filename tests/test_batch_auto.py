@@ -164,3 +164,9 @@ def test_sample_size_spread_and_pick():
     assert pick_sample(lengths, 3) == [0, 4, 5]
     assert pick_sample(lengths, 4) == [0, 4, 5, 7]
     assert len(pick_sample(lengths, 6)) == 6 and set(pick_sample(lengths, 8)) == set(range(8))
+
+
+def test_the_rate_is_shown_with_the_digits_that_put_it_below():
+    from jaxspec.metrics_log import below
+
+    assert below(0.5996, 0.6) == "0.5996 is below 0.60" and below(0.42, 0.6) == "0.42 is below 0.60"
