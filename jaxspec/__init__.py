@@ -1,5 +1,11 @@
 """jaxspec: speculative decoding for LLMs in JAX/XLA, for AMD (ROCm), NVIDIA and CPU."""
 
+import os
+
+# jaxspec takes only tokenizers and configs from transformers: its "PyTorch was not found"
+# advice is noise here (set the variable to 0 to see transformers' advice again).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from jaxspec.config import ModelConfig, load_config
 from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
 from jaxspec.generate import generate
