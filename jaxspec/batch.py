@@ -19,258 +19,33 @@ skips ids already in the output and serves the rest, so every input id ends up i
 exactly once; complete lines already written are never changed.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 from jaxspec import report
+from jaxspec.batch_output import (  # noqa: F401  (the job's parts, importable from here too)
+    ChunkWriter, check_output_unique, error_line, ok_line, read_output, repair_tail,
+)
+from jaxspec.batch_records import (  # noqa: F401
+    BatchError, JobDefaults, Record, build_request, check_unique, parse_line, prepare, read_input, render_messages,
+)
 from jaxspec.canary import method_name, pick_sample, run_canary, sample_size
-from jaxspec.errors import InputError, JaxspecError
+from jaxspec.errors import InputError
 from jaxspec.generate import check_draft, resolve_attention
 from jaxspec.loading import Model, replicated_on
 from jaxspec.metrics_log import AcceptanceWatch, MetricsLog, low_acceptance_message
 from jaxspec.ngram import Ngram
-from jaxspec.requests import (
-    Request, SamplingSettings, check_max_new_tokens, check_seed, check_token_ids, encode_prompt,
-)
 from jaxspec.runner import SCHEDULERS, bucket, run
 from jaxspec.trees import resolve_tree
 
 log = logging.getLogger("jaxspec")
-SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 AUTO_NGRAM_KS = (4, 8)  # n-gram lookup lengths the canary tries by default
-MAX_LISTED_DUPLICATES = 20
-
-
-class BatchError(JaxspecError):
-    """The job cannot start: duplicate input ids, or an output file it did not write."""
-
-
-@dataclasses.dataclass(frozen=True)
-class JobDefaults:
-    """Settings for records that do not give their own."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        check_max_new_tokens(self.max_new_tokens)
-        SamplingSettings(self.temperature, self.top_k, self.top_p)
-        check_seed(self.seed)
-
-
-@dataclasses.dataclass
-class Record:
-    line: int  # 1-based line number in the input
-    key: str  # the id as compared for duplicates and resume (1 and "1" are the same id)
-    id: object  # the id as written back
-    data: dict | None  # the parsed object; None when the line could not be read
-    error: str | None = None
-    request: Request | None = None
-
-    @property
-    def prompt_version(self):
-        v = self.data.get("prompt_version") if self.data else None
-        return v if isinstance(v, str) else None
-
-
-# ---------------------------------------------------------------- input
-
-
-def parse_line(raw: bytes, line: int) -> Record:
-    """One input line -> Record; a line that is not an object with a valid id gets id "line:N"."""
-    unnamed = f"line:{line}"
-
-    def bad(message: str) -> Record:
-        return Record(line, unnamed, unnamed, None, message)
-
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return bad(f"line {line} is not valid UTF-8 ({e.reason} at byte {e.start})")
-    except json.JSONDecodeError as e:
-        return bad(f"line {line} is not valid JSON: {e.msg} at column {e.colno}")
-    if not isinstance(obj, dict):
-        return bad(f"line {line} is a JSON {type(obj).__name__}, not an object")
-    rid = obj.get("id")
-    if rid is None:
-        return Record(line, unnamed, unnamed, obj, 'id is missing: each record needs an "id" (a string or an integer)')
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
-        return Record(line, unnamed, unnamed, obj, f"id must be a non-empty string or an integer; got {rid!r}")
-    return Record(line, str(rid), rid, obj)
-
-
-def read_input(path: Path) -> list[Record]:
-    with open(path, "rb") as f:
-        return [parse_line(raw, n) for n, raw in enumerate(f, 1) if raw.strip()]
-
-
-def check_unique(records: list[Record], path: Path) -> None:
-    """Duplicate ids make "each id exactly once" impossible: refuse before doing any work."""
-    lines: dict[str, list[int]] = {}
-    for r in records:
-        lines.setdefault(r.key, []).append(r.line)
-    dups = [(k, v) for k, v in lines.items() if len(v) > 1]
-    if dups:
-        listed = "; ".join(f"{k!r} on lines {', '.join(map(str, v))}" for k, v in dups[:MAX_LISTED_DUPLICATES])
-        more = f"; and {len(dups) - MAX_LISTED_DUPLICATES} more" if len(dups) > MAX_LISTED_DUPLICATES else ""
-        raise BatchError(f"{path}: {len(dups)} duplicate id(s), each id must appear once: {listed}{more}")
-
-
-def render_messages(messages, tokenizer, model_name: str) -> list[int]:
-    """A chat, rendered with the tokenizer's chat template (with the assistant turn opened)."""
-    if not isinstance(messages, list) or not messages:
-        raise InputError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError(f'messages[{i}] must be an object with string "role" and "content"')
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InputError(
-            f"messages need a chat template but the tokenizer of {model_name!r} has none; give a \"prompt\" instead"
-        )
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # template errors (e.g. roles out of order) are the record's fault
-        raise InputError(f"messages could not be rendered with the chat template: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-
-
-def build_request(data: dict, target: Model, defaults: JobDefaults) -> Request:
-    """A record's Request, its own settings overriding the job's; InputError names the field."""
-    if "prompt" in data and "messages" in data:
-        raise InputError('give either "prompt" or "messages", not both')
-    if "messages" in data:
-        prompt = render_messages(data["messages"], target.tokenizer, target.name)
-    elif "prompt" in data:
-        prompt = data["prompt"]
-    else:
-        raise InputError('prompt is missing: each record needs a "prompt" (text) or "messages" (a chat)')
-    if "prompt_version" in data and not isinstance(data["prompt_version"], str):
-        raise InputError(f"prompt_version must be a string; got {data['prompt_version']!r}")
-    s = {f: data.get(f, getattr(defaults, f)) for f in SETTING_FIELDS}
-    max_new = check_max_new_tokens(s["max_new_tokens"])
-    sampling = SamplingSettings(s["temperature"], s["top_k"], s["top_p"])
-    seed = check_seed(s["seed"])
-    c = target.config
-    ids = check_token_ids(encode_prompt(prompt, target.tokenizer, "prompt"), c.vocab_size,
-                          c.max_position_embeddings, max_new, "prompt")
-    return Request(ids, max_new, sampling, seed)
-
-
-def prepare(record: Record, target: Model, defaults: JobDefaults) -> Record:
-    if record.error is None:
-        try:
-            record.request = build_request(record.data, target, defaults)
-        except InputError as e:
-            record.error = str(e)
-    return record
-
-
-# ---------------------------------------------------------------- output
-
-
-def repair_tail(path: Path) -> int:
-    """Truncates a torn final line (a write cut short by a kill); returns the bytes removed."""
-    with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        keep = size
-        while keep > 0:
-            start = max(0, keep - 65536)
-            f.seek(start)
-            block = f.read(keep - start)
-            if keep == size and block.endswith(b"\n"):
-                return 0
-            cut = block.rfind(b"\n")
-            if cut >= 0:
-                keep = start + cut + 1
-                break
-            keep = start
-        if keep < size:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        return size - keep
-
-
-def read_output(path: Path) -> list[dict]:
-    """The records already in an output file; refuses a file a batch job did not write."""
-    out = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                obj = None
-            if not isinstance(obj, dict) or "id" not in obj:
-                raise BatchError(f"{path} line {n} is not a batch output record; refusing to append to this file")
-            out.append(obj)
-    return out
-
-
-def check_output_unique(records: list[dict], path: Path) -> None:
-    seen: set[str] = set()
-    dups = sorted({str(r["id"]) for r in records if str(r["id"]) in seen or seen.add(str(r["id"]))})
-    if dups:
-        raise BatchError(f"{path} already holds id(s) more than once: {', '.join(map(repr, dups[:MAX_LISTED_DUPLICATES]))}")
-
-
-class ChunkWriter:
-    """Appends whole chunks of lines: one write, flushed and fsynced, so a crash loses at most the
-    chunk in flight. Holds an exclusive lock so two jobs never append to one file."""
-
-    def __init__(self, path: Path):
-        new = not path.exists()
-        self.f = open(path, "ab")
-        try:
-            import fcntl
-
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # no fcntl (Windows): no lock
-            pass
-        except OSError:
-            self.f.close()
-            raise BatchError(f"another job is writing {path}; wait for it or use another output file") from None
-        if new:  # make the new file's directory entry durable too
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def write(self, lines: list[dict]) -> None:
-        if lines:
-            self.f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8"))
-            self.f.flush()
-            os.fsync(self.f.fileno())
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def _head(record: Record) -> dict:
-    head = {"id": record.id, "line": record.line}
-    if record.prompt_version is not None:
-        head["prompt_version"] = record.prompt_version
-    return head
-
-
-def error_line(record: Record) -> dict:
-    return {**_head(record), "error": record.error}
-
-
-def ok_line(record: Record, completion, method: str) -> dict:
-    return {
-        **_head(record), "text": completion.text, "token_ids": completion.token_ids,
-        "finish_reason": completion.finish_reason, "method": method, "stats": completion.stats.as_dict(),
-    }
 
 
 # ---------------------------------------------------------------- scheduling
