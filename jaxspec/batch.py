@@ -139,6 +139,9 @@ class JobSettings:
     progress: bool
     scheduler: str
     refill_at: int | None
+    workers: int
+    gpus_per_worker: float
+    ray_address: str | None
 
 
 def run_job(
@@ -168,6 +171,9 @@ def run_job(
     progress: bool = True,
     scheduler: str = "continuous",
     refill_at: int | None = None,
+    workers: int = 1,
+    gpus_per_worker: float | None = None,
+    ray_address: str | None = None,
 ) -> dict:
     """Runs (or resumes) a batch job from `in_path` into `out_path`; returns the summary dict.
 
@@ -179,6 +185,10 @@ def run_job(
     records that finished at each return to the host in one durable write; "static" runs padded
     batches of similar records until each batch's longest ends (one durable write per batch).
     refill_at: continuous slots freed before new records are let in (default: jaxspec.continuous.default_refill_at).
+    workers: model replicas; more than 1 runs them as Ray actors (jaxspec.batch_ray; the
+    `distributed` extra), each with gpus_per_worker GPUs (default: the target's tensor_parallel
+    on GPUs, none on the CPU), on a local Ray instance or the cluster at ray_address ("auto",
+    "HOST:PORT"). The driver stays the one writer; the canary runs in the driver.
     auto: first time plain decoding, speculative decoding with each K in auto_ks and with each
     named draft tree in auto_trees (jaxspec.trees.NAMED_TREES) when the draft is a model, and
     n-gram lookup with each K in auto_ngram_ks (the draft's settings when it is an Ngram) on a sample
@@ -202,6 +212,17 @@ def run_job(
         raise InputError(f"batch_size must be an integer >= 1; got {batch_size!r}")
     if refill_at is not None and (isinstance(refill_at, bool) or not isinstance(refill_at, int) or refill_at < 1):
         raise InputError(f"refill_at must be an integer >= 1; got {refill_at!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InputError(f"workers must be an integer >= 1; got {workers!r}")
+    if workers > 1:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise InputError("workers > 1 runs replicas on Ray: pip install 'jaxspec[distributed]'") from None
+    if gpus_per_worker is None:
+        import jax
+
+        gpus_per_worker = 0 if jax.default_backend() == "cpu" else target.tensor_parallel
     if scheduler not in SCHEDULERS:
         raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if not isinstance(warn_below_acceptance, (int, float)) or not 0 <= warn_below_acceptance <= 1:
@@ -229,7 +250,7 @@ def run_job(
     defaults = JobDefaults(max_new_tokens, temperature, top_k, top_p, seed)
     settings = JobSettings(num_draft_tokens, batch_size, auto, auto_sample, tuple(auto_ks), tuple(auto_trees),
                            tuple(auto_ngram_ks), auto_repeats, auto_min_speedup, warn_below_acceptance, progress,
-                           scheduler, refill_at)
+                           scheduler, refill_at, workers, gpus_per_worker, ray_address)
     paths = default_paths(out_path)
     paths["summary"] = Path(summary_path) if summary_path else paths["summary"]
     paths["plot"] = paths["plot"] if plot_path is True else (Path(plot_path) if plot_path else None)
@@ -283,6 +304,15 @@ class _Job:
             tree = resolve_tree(self.tree) if self.tree else None
             drafter = (self.ngram or self.draft) if self.num_draft else None
             attention = resolve_attention("auto")  # the fused kernel on GPUs (XLA's attention on the CPU)
+            if self.settings.workers > 1 and todo:
+                from jaxspec.batch_ray import run_on_ray
+
+                def emit(records, completions, decode_s, compile_s, worker):
+                    self.commit(records, completions, decode_s, compile_s, "job", worker=worker)
+
+                run_on_ray(self.target, self.draft, todo, self.settings, (self.num_draft, self.tree, self.ngram), emit,
+                           self.settings.ray_address)
+                todo = []
             if self.settings.scheduler == "continuous" and todo:
                 # Rows are written as they finish, a return to the host at a time.
                 def on_done(pairs, decode_s, compile_s):
@@ -299,7 +329,7 @@ class _Job:
             self.bar.close()
         return self.finish()
 
-    def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str) -> None:
+    def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str, worker=None) -> None:
         """Writes a finished chunk durably, then logs and shows it."""
         nd, state = self.num_draft, self.state
         method = method_name(nd, self.tree, self.ngram)
@@ -315,7 +345,7 @@ class _Job:
             "batch", phase=phase, method=method, num_draft_tokens=nd, tree=self.tree,
             drafter="ngram" if self.ngram and nd else "model" if nd else None,
             prompt_version=_versions(lines), records=len(lines), batch_size=self.settings.batch_size,
-            scheduler=self.settings.scheduler,
+            scheduler=self.settings.scheduler, worker=worker,
             prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
             compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
             acceptance_rate=t["acceptance_rate"], tokens_per_step=t["tokens_per_step"],
@@ -405,6 +435,7 @@ class _Job:
                 "tokens_per_s": state.new_tokens / wall if wall > 0 else 0.0,
                 "decode_tokens_per_s": state.new_tokens / state.decode_s if state.decode_s > 0 else 0.0,
                 "batches": len(state.batches),
+                "workers": _per_worker(state.batches),
             },
             "by_prompt_version": report.by_prompt_version(mine),
             "settings": {
@@ -424,6 +455,20 @@ class _Job:
             "plot_path": str(self.paths["plot"]) if self.paths["plot"] is not None else None,
             "metrics_log": str(self.paths["metrics_log"]) if self.paths["metrics_log"] is not None else None,
         }
+
+
+def _per_worker(batches: list[dict]) -> dict:
+    """Records, tokens and decode tokens/s per Ray worker (its process id); {} for a local job."""
+    out: dict = {}
+    for b in batches:
+        if b.get("worker") is not None:
+            w = out.setdefault(str(b["worker"]), {"records": 0, "new_tokens": 0, "decode_s": 0.0})
+            w["records"] += b["records"]
+            w["new_tokens"] += b["new_tokens"]
+            w["decode_s"] += b["decode_s"]
+    for w in out.values():
+        w["decode_tokens_per_s"] = w["new_tokens"] / w["decode_s"] if w["decode_s"] > 0 else 0.0
+    return out
 
 
 def lognormal_budgets(n: int, median: float = 200, sigma: float = 0.8, cap: int = 1024, seed: int = 0) -> list[int]:

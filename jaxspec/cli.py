@@ -160,6 +160,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="summary plot PNG path (default: OUT.png)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("several replicas (Ray; pip install 'jaxspec[distributed]')")
+    g.add_argument("--workers", type=int, default=1, help="model replicas as Ray actors (default 1: in this process)")
+    g.add_argument("--gpus-per-worker", type=float,
+                   help="GPUs per replica (default: --tensor-parallel on GPUs, none on the CPU)")
+    g.add_argument("--ray-address", help="join this Ray cluster (auto or HOST:PORT); default: a local instance")
     add_ngram_args(p)
     add_parallel_args(p)
 
@@ -214,7 +219,8 @@ def run_batch(args) -> int:
             metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
             summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
             warn_below_acceptance=args.warn_below_acceptance, progress=not args.no_progress,
-            scheduler=args.scheduler, refill_at=args.refill_at,
+            scheduler=args.scheduler, refill_at=args.refill_at, workers=args.workers,
+            gpus_per_worker=args.gpus_per_worker, ray_address=args.ray_address,
         )
     print(format_summary(summary))
     return 0
@@ -240,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
     add_sampling_args(p)
+    g = p.add_argument_group("several replicas (Ray; pip install 'jaxspec[distributed]')")
+    g.add_argument("--workers", type=int, default=1, help="model replicas as Ray actors (default 1: in this process)")
+    g.add_argument("--gpus-per-worker", type=float,
+                   help="GPUs per replica (default: --tensor-parallel on GPUs, none on the CPU)")
+    g.add_argument("--ray-address", help="join this Ray cluster (auto or HOST:PORT); default: a local instance")
     add_ngram_args(p)
     add_parallel_args(p)
     p.set_defaults(func=run_generate)
