@@ -18,25 +18,53 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_two_workers_give_what_one_gives(tmp_path, real_pair):
+    """The Ray job runs in its own process (the CLI), so no Ray instance lives in the test worker."""
     target = real_pair[0]
     src = write_humaneval_jsonl(tmp_path / "in.jsonl", limit=20, lognormal=dict(median=16, cap=40))
     with open(src, "a") as f:
         f.write('{"id": "bad", "prompt": "x", "top_p": 2}\n')
     one = run_job(src, tmp_path / "one.jsonl", target, max_new_tokens=8, batch_size=4, plot_path=None, progress=False)
-    two = run_job(src, tmp_path / "two.jsonl", target, max_new_tokens=8, batch_size=4, workers=2, plot_path=None,
-                  progress=False)
+    done = subprocess.run(_cmd(src, tmp_path / "two.jsonl", "8", "4"), env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     a = {r["id"]: r for r in read_output(tmp_path / "one.jsonl")}
     b = {r["id"]: r for r in read_output(tmp_path / "two.jsonl")}
     assert sorted(a) == sorted(b) and len(b) == 21 and "top_p must be in" in b["bad"]["error"]
     assert all(a[k].get("token_ids") == b[k].get("token_ids") and a[k].get("stats") == b[k].get("stats") for k in a)
-    workers = two["this_run"]["workers"]
+    workers = json.loads((tmp_path / "two.summary.json").read_text())["this_run"]["workers"]
     assert one["this_run"]["workers"] == {} and sum(w["records"] for w in workers.values()) == 20
-    assert all(int(pid) != os.getpid() for pid in workers)  # served in the replicas' own processes
+    assert all(w["decode_tokens_per_s"] > 0 for w in workers.values())
 
 
-def _replica_pids() -> list[int]:
+def _cmd(src, out, max_new: str, batch: str) -> list[str]:
+    return [sys.executable, "-m", "jaxspec.cli", "batch", str(src), str(out), "--no-draft", "--max-new-tokens", max_new,
+            "--batch-size", batch, "--workers", "2", "--no-progress", "--no-plot"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _replica_pids(driver: int) -> list[int]:
+    """The replica processes of the Ray instance that `driver` started (its raylet's children):
+    never another job's."""
     out = subprocess.run(["pgrep", "-f", "ray::Replica"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    mine = []
+    for pid in map(int, out.split()):
+        up = pid
+        for _ in range(4):
+            up = _parent(up)
+            if up == driver:
+                mine.append(pid)
+                break
+    return mine
 
 
 def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path):
@@ -44,18 +72,16 @@ def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "jaxspec.cli", "batch", str(src), str(out), "--no-draft", "--max-new-tokens", "48",
-           "--batch-size", "2", "--workers", "2", "--no-progress", "--no-plot"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     killed = None
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None and killed is None:
-            pids = _replica_pids()
+            pids = _replica_pids(proc.pid)
             if len(pids) >= 2 and out.exists() and out.read_bytes().count(b"\n") >= 1:
                 killed = pids[0]
-                os.kill(killed, signal.SIGKILL)  # a replica process of this job's own Ray instance
+                os.kill(killed, signal.SIGKILL)  # a replica of this job's own Ray instance
             time.sleep(0.05)
         assert killed is not None, "the job ended before a worker could be killed"
         stdout, stderr = proc.communicate(timeout=300)
