@@ -301,33 +301,38 @@ class _Job:
             self.bar.update(len(failed), 0.0, None)
             if self.settings.auto and todo:
                 todo = self.canary(todo)
-            tree = resolve_tree(self.tree) if self.tree else None
-            drafter = (self.ngram or self.draft) if self.num_draft else None
-            attention = resolve_attention("auto")  # the fused kernel on GPUs (XLA's attention on the CPU)
-            if self.settings.workers > 1 and todo:
-                from jaxspec.batch_ray import run_on_ray
-
-                def emit(records, completions, decode_s, compile_s, worker):
-                    self.commit(records, completions, decode_s, compile_s, "job", worker=worker)
-
-                run_on_ray(self.target, self.draft, todo, self.settings, (self.num_draft, self.tree, self.ngram), emit,
-                           self.settings.ray_address)
-                todo = []
-            if self.settings.scheduler == "continuous" and todo:
-                # Rows are written as they finish, a return to the host at a time.
-                def on_done(pairs, decode_s, compile_s):
-                    self.commit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, "job")
-
-                run(self.target, [r.request for r in todo], self.settings.batch_size, draft=drafter,
-                    num_draft=self.num_draft, tree=tree, attention=attention, scheduler="continuous",
-                    refill_at=self.settings.refill_at, on_done=on_done)
-            for chunk in plan_chunks(todo, self.settings.batch_size) if self.settings.scheduler == "static" else ():
-                outs = run(self.target, [r.request for r in chunk], self.settings.batch_size,
-                           draft=drafter, num_draft=self.num_draft, tree=tree, attention=attention)
-                self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
+            if todo:
+                self.serve(todo)
         finally:
             self.bar.close()
         return self.finish()
+
+    def serve(self, todo: list[Record]) -> None:
+        """Decodes `todo` with the job's setting, committing records as they come back: over Ray
+        replicas, through continuous slots, or in static batches."""
+        s = self.settings
+        if s.workers > 1:
+            from jaxspec.batch_ray import run_on_ray
+
+            def emit(records, completions, decode_s, compile_s, worker):
+                self.commit(records, completions, decode_s, compile_s, "job", worker=worker)
+
+            run_on_ray(self.target, self.draft, todo, s, (self.num_draft, self.tree, self.ngram), emit, s.ray_address)
+            return
+        kw = dict(draft=(self.ngram or self.draft) if self.num_draft else None, num_draft=self.num_draft,
+                  tree=resolve_tree(self.tree) if self.tree else None,
+                  attention=resolve_attention("auto"))  # the fused kernel on GPUs (XLA's attention on the CPU)
+        if s.scheduler == "continuous":
+            # Rows are written as they finish, a return to the host at a time.
+            def on_done(pairs, decode_s, compile_s):
+                self.commit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, "job")
+
+            run(self.target, [r.request for r in todo], s.batch_size, scheduler="continuous", refill_at=s.refill_at,
+                on_done=on_done, **kw)
+            return
+        for chunk in plan_chunks(todo, s.batch_size):
+            outs = run(self.target, [r.request for r in chunk], s.batch_size, **kw)
+            self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
 
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str, worker=None) -> None:
         """Writes a finished chunk durably, then logs and shows it."""

@@ -15,6 +15,7 @@ import logging
 import math
 
 from jaxspec.errors import InputError
+from jaxspec.generate import resolve_attention
 from jaxspec.loading import Model
 from jaxspec.ngram import Ngram
 from jaxspec.requests import Request
@@ -101,8 +102,6 @@ class Trial:
         return self.num_draft, self.tree, self.ngram
 
     def run(self, target: Model, draft: Model | None, chunk: list[Request], batch_size: int) -> Completions:
-        from jaxspec.generate import resolve_attention
-
         attention = resolve_attention("auto")  # the fused kernel on GPUs, as the job itself runs
         if not self.num_draft:
             return run(target, chunk, batch_size, attention=attention)

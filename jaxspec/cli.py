@@ -246,11 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
     add_sampling_args(p)
-    g = p.add_argument_group("several replicas (Ray; pip install 'jaxspec[distributed]')")
-    g.add_argument("--workers", type=int, default=1, help="model replicas as Ray actors (default 1: in this process)")
-    g.add_argument("--gpus-per-worker", type=float,
-                   help="GPUs per replica (default: --tensor-parallel on GPUs, none on the CPU)")
-    g.add_argument("--ray-address", help="join this Ray cluster (auto or HOST:PORT); default: a local instance")
     add_ngram_args(p)
     add_parallel_args(p)
     p.set_defaults(func=run_generate)

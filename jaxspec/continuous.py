@@ -26,7 +26,7 @@ from jaxspec import decode as plain
 from jaxspec import speculative as spec
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.decode import FINISH_REASONS, RUNNING, Batch
+from jaxspec.decode import RUNNING, Batch
 from jaxspec.drafting import Drafter
 
 
@@ -129,13 +129,14 @@ def run_slots(target, requests, slots: int, loop, params, attention: str, greedy
     """Decodes `requests` (indices into the caller's list, Request) through `slots` slots.
     on_done(pairs, decode_s, compile_s): called at each return to the host with the (index,
     Completion) pairs that finished. Returns (completions by index, decode_s, compile_s, graphs)."""
-    from jaxspec.runner import _stats, bucket, cache_capacity, make_batch
+    from jaxspec.runner import bucket, cache_capacity, completion, make_batch
     from jaxspec.sharding import replicate
 
     pad = target.config.pad_token_id
     reqs = dict(requests)
     max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
-    slack = len(loop.drafter.tree) + 1 if isinstance(loop, SpeculativeLoop) else 0
+    speculative = isinstance(loop, SpeculativeLoop)
+    slack = len(loop.drafter.tree) + 1 if speculative else 0
     # Room for the longest row (its own prompt + budget), not the longest prompt plus the largest
     # budget; and for the widest prompt bucket, which a prefill writes whole.
     longest = max(len(r.token_ids) + r.max_new_tokens for r in reqs.values())
@@ -180,15 +181,12 @@ def run_slots(target, requests, slots: int, loop, params, attention: str, greedy
         ended = [s for s, h in enumerate(holder) if h is not None and finish[s] != RUNNING]
         pairs = []
         if ended:
-            fields = ["out_tokens", "num_generated"] + (["rounds", "accepted_per_position"] if slack else [])
-            out = types.SimpleNamespace(**{f: np.asarray(jax.device_get(getattr(state, f))) for f in fields})
+            fields = ("out_tokens", "num_generated") + (("rounds", "accepted_per_position") if speculative else ())
+            got = jax.device_get({f: getattr(state, f) for f in fields})
+            out = types.SimpleNamespace(tokens=got.pop("out_tokens"), finish=finish, **got)
             for s in ended:
-                index, n = holder[s], int(out.num_generated[s])
-                ids = out.out_tokens[s, :n].tolist()
-                text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
-                done[index] = _completion(text, ids, FINISH_REASONS[int(finish[s])],
-                                          _stats(reqs[index], out, s, bool(slack)))
-                pairs.append((index, done[index]))
+                done[holder[s]] = completion(target, reqs[holder[s]], out, s, speculative)
+                pairs.append((holder[s], done[holder[s]]))
                 holder[s] = None
         compiled = timing["compile"] - compiled_before
         spent = time.perf_counter() - t0 - compiled
@@ -196,9 +194,3 @@ def run_slots(target, requests, slots: int, loop, params, attention: str, greedy
         if on_done is not None and pairs:
             on_done(pairs, spent, compiled)
     return done, timing["decode"], timing["compile"], timing["graphs"]
-
-
-def _completion(text, ids, reason, stats):
-    from jaxspec.stats import Completion
-
-    return Completion(text, ids, reason, stats)

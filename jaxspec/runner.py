@@ -119,6 +119,14 @@ def _stats(request: Request, out, row: int, speculative: bool) -> RequestStats:
     )
 
 
+def completion(target: Model, request: Request, out, row: int, speculative: bool) -> Completion:
+    """Row `row` of a decode loop's output (tokens, num_generated, finish; rounds and
+    accepted_per_position when speculative), on the host, as the request's Completion."""
+    ids = out.tokens[row, : int(out.num_generated[row])].tolist()
+    text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
+    return Completion(text, ids, FINISH_REASONS[int(out.finish[row])], _stats(request, out, row, speculative))
+
+
 SCHEDULERS = ("static", "continuous")
 
 
@@ -163,11 +171,7 @@ def run(
         out = jax.device_get(call(exe))
         decode_s += time.perf_counter() - t0
         for row, i in enumerate(group):
-            n = int(out.num_generated[row])
-            ids = out.tokens[row, :n].tolist()
-            text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else None
-            stats = _stats(reqs[row], out, row, draft is not None)
-            results[i] = Completion(text, ids, FINISH_REASONS[int(out.finish[row])], stats)
+            results[i] = completion(target, reqs[row], out, row, draft is not None)
         if on_done is not None:
             on_done([(i, results[i]) for i in group], time.perf_counter() - t0, spent)
     return Completions(results, _metrics(results, time.perf_counter() - start, compile_s, decode_s, graphs))
