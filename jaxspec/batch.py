@@ -32,16 +32,17 @@ from jaxspec import report
 from jaxspec.batch_output import (  # noqa: F401  (the job's parts, importable from here too)
     ChunkWriter, check_output_unique, error_line, ok_line, read_output, repair_tail,
 )
+from jaxspec.batch_local import plan_chunks, run_local  # noqa: F401
 from jaxspec.batch_records import (  # noqa: F401
     BatchError, JobDefaults, Record, build_request, check_unique, parse_line, prepare, read_input, render_messages,
 )
 from jaxspec.canary import method_name, pick_sample, run_canary, sample_size
 from jaxspec.errors import InputError
-from jaxspec.generate import check_draft, resolve_attention
+from jaxspec.generate import check_draft
 from jaxspec.loading import Model, replicated_on
 from jaxspec.metrics_log import AcceptanceWatch, MetricsLog, low_acceptance_message
 from jaxspec.ngram import Ngram
-from jaxspec.runner import SCHEDULERS, bucket, run
+from jaxspec.runner import SCHEDULERS
 from jaxspec.trees import resolve_tree
 
 log = logging.getLogger("jaxspec")
@@ -49,19 +50,6 @@ AUTO_NGRAM_KS = (4, 8)  # n-gram lookup lengths the canary tries by default
 
 
 # ---------------------------------------------------------------- scheduling
-
-
-def plan_chunks(records: list[Record], batch_size: int) -> list[list[Record]]:
-    """Device batches: records of one prompt-length bucket, budget bucket and greedy-ness, split
-    at batch_size. A chunk never spans buckets, so a job compiles a few graphs and pads little."""
-    def shape(r: Record):
-        q = r.request
-        return bucket(len(q.token_ids)), bucket(q.max_new_tokens), not q.sampling.greedy
-
-    groups: dict[tuple, list[Record]] = {}
-    for r in sorted(records, key=lambda r: (shape(r), len(r.request.token_ids), r.line)):
-        groups.setdefault(shape(r), []).append(r)
-    return [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
 
 
 def default_paths(out_path: Path) -> dict[str, Path]:
@@ -308,31 +296,18 @@ class _Job:
         return self.finish()
 
     def serve(self, todo: list[Record]) -> None:
-        """Decodes `todo` with the job's setting, committing records as they come back: over Ray
-        replicas, through continuous slots, or in static batches."""
+        """Decodes `todo` with the job's setting on this process's devices or over Ray replicas,
+        committing records as they come back."""
         s = self.settings
         if s.workers > 1:
-            from jaxspec.batch_ray import run_on_ray
+            from jaxspec.batch_ray import run_on_ray as execute
+        else:
+            execute = run_local
 
-            def emit(records, completions, decode_s, compile_s, worker):
-                self.commit(records, completions, decode_s, compile_s, "job", worker=worker)
+        def emit(records, completions, decode_s, compile_s, worker):
+            self.commit(records, completions, decode_s, compile_s, "job", worker=worker)
 
-            run_on_ray(self.target, self.draft, todo, s, (self.num_draft, self.tree, self.ngram), emit, s.ray_address)
-            return
-        kw = dict(draft=(self.ngram or self.draft) if self.num_draft else None, num_draft=self.num_draft,
-                  tree=resolve_tree(self.tree) if self.tree else None,
-                  attention=resolve_attention("auto"))  # the fused kernel on GPUs (XLA's attention on the CPU)
-        if s.scheduler == "continuous":
-            # Rows are written as they finish, a return to the host at a time.
-            def on_done(pairs, decode_s, compile_s):
-                self.commit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, "job")
-
-            run(self.target, [r.request for r in todo], s.batch_size, scheduler="continuous", refill_at=s.refill_at,
-                on_done=on_done, **kw)
-            return
-        for chunk in plan_chunks(todo, s.batch_size):
-            outs = run(self.target, [r.request for r in chunk], s.batch_size, **kw)
-            self.commit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, "job")
+        execute(self.target, self.draft, todo, s, (self.num_draft, self.tree, self.ngram), emit)
 
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str, worker=None) -> None:
         """Writes a finished chunk durably, then logs and shows it."""

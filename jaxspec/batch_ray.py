@@ -29,31 +29,37 @@ class Replica:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, key: int, requests, batch_size: int, num_draft: int, tree, ngram, scheduler: str, refill_at):
-        """-> (key, completions, decode_s, compile_s, worker pid): the key names the chunk."""
-        from jaxspec.generate import resolve_attention
-        from jaxspec.runner import run
-        from jaxspec.trees import resolve_tree
+    def run(self, key: int, records: list, settings, method: tuple):
+        """-> (key, completions in the order of `records`, decode_s, compile_s, worker pid)."""
+        from jaxspec.batch_local import run_local
 
-        draft = (ngram or self.draft) if num_draft else None
-        outs = run(self.target, requests, batch_size, draft=draft, num_draft=num_draft,
-                   tree=resolve_tree(tree) if tree else None, attention=resolve_attention("auto"),
-                   scheduler=scheduler, refill_at=refill_at)
-        return key, list(outs), outs.metrics.decode_s, outs.metrics.compile_s, os.getpid()
+        where = {id(r): i for i, r in enumerate(records)}
+        out, spent = [None] * len(records), [0.0, 0.0]
+
+        def collect(done, completions, decode_s, compile_s, worker):
+            for r, c in zip(done, completions):
+                out[where[id(r)]] = c
+            spent[0] += decode_s
+            spent[1] += compile_s
+
+        run_local(self.target, self.draft, records, settings, method, collect)
+        return key, out, spent[0], spent[1], os.getpid()
 
 
 def _spec(model) -> dict:
     return {"path": str(model.path), "dtype": model.dtype.name, "tensor_parallel": model.tensor_parallel}
 
 
-def run_on_ray(target, draft, todo: list, settings, method: tuple, emit, address: str | None = None) -> None:
-    """Serves `todo` (Records) on settings.workers replicas; emit(records, completions, decode_s,
-    compile_s, worker) for each chunk as it comes back. method: (num_draft, tree, ngram)."""
+def run_on_ray(target, draft, todo: list, settings, method: tuple, emit) -> None:
+    """Serves `todo` (Records) on settings.workers replicas, on the Ray cluster at
+    settings.ray_address or a local instance; emit(records, completions, decode_s, compile_s,
+    worker) for each chunk as it comes back. method: (num_draft, tree, ngram)."""
     import ray
     from ray.util import ActorPool
 
     from jaxspec.loading import Model
 
+    address = settings.ray_address
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
@@ -64,11 +70,9 @@ def run_on_ray(target, draft, todo: list, settings, method: tuple, emit, address
     pool = ActorPool([actor.remote(_spec(target), draft_spec) for _ in range(settings.workers)])
     size = CHUNKS_PER_WORKER_BATCH * settings.batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
-    num_draft, tree, ngram = method
 
     def submit(a, key):
-        return a.run.remote(key, [r.request for r in chunks[key]], settings.batch_size, num_draft, tree, ngram,
-                            settings.scheduler, settings.refill_at)
+        return a.run.remote(key, chunks[key], settings, method)
 
     try:
         for key, completions, decode_s, compile_s, worker in pool.map_unordered(submit, range(len(chunks))):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
-from jaxspec.errors import CheckpointError
+from jaxspec.errors import CheckpointError, InputError
 
 
 def _ints(text: str) -> list[int]:
@@ -194,7 +194,9 @@ def run_bench(args) -> int:
 
         args.batch_sizes = args.batch_sizes or [1, 8, 32, 64]
         return run_scale_bench(args)
-    args.batch_sizes = args.batch_sizes or [1, 8]
+    if args.parts and args.parts != "continuous":
+        raise InputError(f"--parts: without --shape only 'continuous' (the scheduler comparison); got {args.parts!r}")
+    args.batch_sizes = args.batch_sizes or ([16] if args.parts else [1, 8])
     import jaxspec
     from jaxspec.humaneval import load_prompts
     from jaxspec.ngram import Ngram
@@ -206,8 +208,14 @@ def run_bench(args) -> int:
     ids = [target.tokenizer.encode(p) for p in load_prompts(limit=args.prompts)]
     info = machine()
     print(f"machine: {info}")
-    print(f"{len(ids)} HumanEval prompts, {args.max_new_tokens} new tokens, greedy, target {target.name} "
+    tokens = "lognormal budgets" if args.parts else f"{args.max_new_tokens} new tokens"
+    print(f"{len(ids)} HumanEval prompts, {tokens}, greedy, target {target.name} "
           f"({target.dtype}), draft {draft.name}", flush=True)
+    if args.parts:
+        from jaxspec.bench_schedulers import run_embedded
+
+        run_embedded(args, target, draft, ids)
+        return 0
     if not args.no_hf:
         hf_target = load_hf(target_path, args.hf_device, args.hf_dtype, args.threads)
         hf_draft = load_hf(draft_path, args.hf_device, args.hf_dtype, args.threads)

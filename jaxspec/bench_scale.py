@@ -56,11 +56,14 @@ def add_scale_args(p) -> None:
                    help="HumanEval prompts for the embedded pair's acceptance (default 20)")
     g.add_argument("--acceptance-new-tokens", type=int, default=128,
                    help="tokens per prompt for the embedded pair's acceptance (default 128)")
-    g.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    g.add_argument("--parts", help=f"--shape: comma-separated subset of {','.join(PARTS)} (default all); without "
+                                   "--shape, 'continuous' runs only the scheduler comparison on the embedded pair")
     g.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     g.add_argument("--job-records-per-slot", type=int, default=8,
-                   help="continuous part: records of the lognormal-budget job per batch slot (default 8)")
+                   help="continuous part, --shape: records of the lognormal-budget job per batch slot (default 8)")
     g.add_argument("--refill-at", type=_ints, help="continuous part: refill policies to time (default: the engine's)")
+    g.add_argument("--lengths", default="seen,hidden",
+                   help="continuous part: cases of the job (jaxspec.bench_schedulers), comma-separated (default seen,hidden)")
 
 
 def _best(fn, repeats: int) -> float:
@@ -205,33 +208,6 @@ def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, co
             "overhead": round_ms / (draft_ms + verify_ms) - 1}
 
 
-def scheduler_rows(model, batch: int, prompt_len: int, records: int, seed: int, attention: str,
-                   refills=(None,)) -> list[dict]:
-    """records/s of one lognormal-budget job (jaxspec.batch.lognormal_budgets) under the static
-    and the continuous scheduler, plain decoding, with the run's attention (the fused kernel
-    reads each row's own prefix; XLA's attention reads the whole cache, and continuous slots
-    share one cache sized for the longest record); time = wall clock less compiling."""
-    from jaxspec.batch import lognormal_budgets
-    from jaxspec.requests import Request, SamplingSettings
-    from jaxspec.runner import bucket, run
-
-    budgets = lognormal_budgets(records, seed=seed)
-    prompts = _prompts(model.config.vocab_size, records, prompt_len, seed)
-    reqs = [Request(tuple(p), b, SamplingSettings(), 0) for p, b in zip(prompts, budgets)]
-    reqs.sort(key=lambda r: bucket(r.max_new_tokens))  # static batches of one budget bucket, as batch jobs plan them
-    rows = []
-    for scheduler, refill_at in [("static", None)] + [("continuous", r) for r in refills]:
-        m = run(model, reqs, batch, scheduler=scheduler, refill_at=refill_at, attention=attention).metrics
-        seconds = m.wall_s - m.compile_s
-        rows.append({"part": "continuous", "model": model.name, "scheduler": scheduler, "refill_at": refill_at,
-                     "batch": batch,
-                     "records": records, "new_tokens": m.new_tokens, "seconds": seconds, "compile_s": m.compile_s,
-                     "records_per_s": records / seconds, "tokens_per_s": m.new_tokens / seconds})
-    for row in rows[1:]:
-        row["vs_static"] = row["records_per_s"] / rows[0]["records_per_s"]
-    return rows
-
-
 def prefill_row(model, prompt_len: int, repeats: int, rate: float, seed: int):
     c = model.config
     prompts = _prompts(c.vocab_size, 1, prompt_len, seed)
@@ -288,7 +264,7 @@ def run_scale_bench(args) -> int:
     from jaxspec.loading import replicated_on
     from jaxspec.shapes import random_model, step_weight_bytes
 
-    parts = set(args.parts.split(","))
+    parts = set((args.parts or ",".join(PARTS)).split(","))
     if parts - set(PARTS):
         raise SystemExit(f"--parts: unknown {sorted(parts - set(PARTS))}; allowed: {', '.join(PARTS)}")
     if args.no_hf:
@@ -381,10 +357,13 @@ def run_scale_bench(args) -> int:
     if "prefill" in parts:
         emit(prefill_row(target, args.prefill_len, R, rate, args.seed))
     if "continuous" in parts:
+        from jaxspec.bench_schedulers import lengths_cases, lognormal_requests, scheduler_rows
+
         for b in args.batch_sizes:
-            for row in scheduler_rows(target, b, P, args.job_records_per_slot * b, args.seed, attention,
-                                      args.refill_at or [None]):
-                emit(row)
+            requests = lognormal_requests(_prompts(target.config.vocab_size, args.job_records_per_slot * b, P, args.seed),
+                                          args.seed)
+            scheduler_rows(target, requests, b, attention, refills=args.refill_at or [None],
+                           lengths=lengths_cases(args.lengths), emit=emit)
     save()
     _print_summary(result)
     return 0
@@ -411,10 +390,11 @@ def _print_summary(result: dict) -> None:
             print(f"| prefill | {r['model']} {r['prompt_len']} tokens | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | "
                   f"{r['tflops']:.0f} TFLOP/s = {r['of_matmul_rate']:.2f} of matmul |")
         elif part == "continuous":
-            vs = f"{r['vs_static']:.2f}x static" if "vs_static" in r else "-"
+            vs = f"{r['vs_static']:.2f}x static, {r['same_as_static']} same" if "vs_static" in r else "-"
             refill = f" refill at {r['refill_at']}" if r.get("refill_at") else ""
-            print(f"| {r['scheduler']} scheduler{refill} | {r['model']} B={r['batch']}, {r['records']} lognormal records | "
-                  f"{1000 * r['seconds']:.0f} | {r['tokens_per_s']:.0f} | {r['records_per_s']:.2f} records/s, {vs} |")
+            print(f"| {r['scheduler']} scheduler{refill}, lengths {r['lengths']} | {r['model']} B={r['batch']}, "
+                  f"{r['records']} lognormal records | {1000 * r['seconds']:.0f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['records_per_s']:.2f} records/s, {vs} |")
         elif part == "projection":
             print(f"| projection | {r['method']} at {r['tokens_per_round']:.2f} tokens/round | - | - | "
                   f"{r['projected_speedup']:.2f}x |")

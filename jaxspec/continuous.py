@@ -28,6 +28,7 @@ from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.decode import RUNNING, Batch
 from jaxspec.drafting import Drafter
+from jaxspec.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,12 @@ def advance(weights, params, slots_batch, state, need, max_steps, *, loop, greed
     return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
 
 
+@jax.jit
+def take_rows(fields: dict, rows: jnp.ndarray) -> dict:
+    """Rows `rows` of each field, as new arrays (rows has a fixed length: one graph per job)."""
+    return {f: a[rows] for f, a in fields.items()}
+
+
 def _compiled(fn, static: dict, *args):
     """fn's executable for these argument shapes (runner's cache: compiled once per shape)."""
     from jaxspec.runner import _executable
@@ -124,14 +131,23 @@ def default_refill_at(slots: int) -> int:
     return 1 if jax.default_backend() == "cpu" else max(1, slots // 8)
 
 
+ADMIT_ORDERS = ("longest", "arrival")
+
+
 def run_slots(target, requests, slots: int, loop, params, attention: str, greedy_only: bool, *,
-              refill_at: int | None = None, max_steps: int | None = None, on_done=None):
+              refill_at: int | None = None, max_steps: int | None = None, on_done=None, admit_order: str = "longest"):
     """Decodes `requests` (indices into the caller's list, Request) through `slots` slots.
-    on_done(pairs, decode_s, compile_s): called at each return to the host with the (index,
-    Completion) pairs that finished. Returns (completions by index, decode_s, compile_s, graphs)."""
+    admit_order "longest": the largest budget first (an offline job knows every budget, and
+    starting the long records early leaves short ones to fill the slots at the end; admitting in
+    budget-ascending order made the 8B job on an H200 0.74-0.90x static); "arrival": in the
+    caller's order, for rows whose budget says nothing of where they end (EOS).
+    on_done(pairs, decode_s, compile_s): called at returns to the host with the (index,
+    Completion) pairs that finished, and the seconds spent since its last call. Returns (completions by index, decode_s, compile_s, graphs)."""
     from jaxspec.runner import bucket, cache_capacity, completion, make_batch
     from jaxspec.sharding import replicate
 
+    if admit_order not in ADMIT_ORDERS:
+        raise InputError(f"admit_order must be one of {', '.join(ADMIT_ORDERS)}; got {admit_order!r}")
     pad = target.config.pad_token_id
     reqs = dict(requests)
     max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
@@ -154,12 +170,35 @@ def run_slots(target, requests, slots: int, loop, params, attention: str, greedy
 
     # Whole on every device of the target's mesh, as the static scheduler's batches.
     state, batch = call(begin, static, target.weights, params, replicate(make_batch([], slots, 1, pad), target.mesh))
-    # Longest budget first: an offline job knows every budget, and starting the long records
-    # early leaves short ones to fill the slots at the end (the last long record admitted sets
-    # the job's tail; budget-ascending order made the 8B job on an H200 0.74-0.90x static).
-    pending = collections.deque(sorted(reqs, key=lambda i: (-reqs[i].max_new_tokens, len(reqs[i].token_ids))))
+    by_budget = lambda i: (-reqs[i].max_new_tokens, len(reqs[i].token_ids))  # noqa: E731
+    pending = collections.deque(sorted(reqs, key=by_budget) if admit_order == "longest" else reqs)
     holder: list[int | None] = [None] * slots
     done: dict[int, object] = {}
+    fields = ("out_tokens", "num_generated") + (("rounds", "accepted_per_position") if speculative else ())
+
+    def harvest(got, finish, indices):
+        """Completions of the rows gathered at the last return (`got`: device arrays, row j = indices[j])."""
+        got = jax.device_get(got)
+        out = types.SimpleNamespace(tokens=got.pop("out_tokens"), finish=finish, **got)
+        for j, index in enumerate(indices):
+            done[index] = completion(target, reqs[index], out, j, speculative)
+        return [(i, done[i]) for i in indices]
+
+    unreported = {"decode": 0.0, "compile": 0.0}  # seconds since on_done's last call
+
+    def account(t0, compiled_before):
+        compiled = timing["compile"] - compiled_before
+        spent = time.perf_counter() - t0 - compiled
+        timing["decode"] += spent
+        unreported["decode"] += spent
+        unreported["compile"] += compiled
+
+    def emit(pairs):
+        if on_done is not None and pairs:
+            on_done(pairs, unreported["decode"], unreported["compile"])
+            unreported.update(decode=0.0, compile=0.0)
+
+    ended_rows = None  # (device arrays, finish, indices) of the rows that ended at the last return
     while pending or any(h is not None for h in holder):
         t0, compiled_before = time.perf_counter(), timing["compile"]
         free = [i for i, h in enumerate(holder) if h is None]
@@ -177,20 +216,24 @@ def run_slots(target, requests, slots: int, loop, params, attention: str, greedy
         need = jnp.int32(min(refill_at, len(pending)) if pending else slots + 1)
         state = call(advance, dict(loop=loop, greedy_only=greedy_only, attention=attention),
                      target.weights, params, batch, state, need, jnp.int32(max_steps))
-        finish = np.asarray(jax.device_get(state.finish))
+        # The last return's rows are fetched and turned into completions (and on_done writes
+        # them) while the device runs the admit and advance just dispatched.
+        if ended_rows:
+            emit(harvest(*ended_rows))
+        finish = np.asarray(jax.device_get(state.finish))  # waits for the advance
         ended = [s for s, h in enumerate(holder) if h is not None and finish[s] != RUNNING]
-        pairs = []
-        if ended:
-            fields = ("out_tokens", "num_generated") + (("rounds", "accepted_per_position") if speculative else ())
-            got = jax.device_get({f: getattr(state, f) for f in fields})
-            out = types.SimpleNamespace(tokens=got.pop("out_tokens"), finish=finish, **got)
+        ended_rows = None
+        if ended:  # gathered on the device now: the next admit donates the state
+            rows = np.zeros(slots, np.int32)
+            rows[: len(ended)] = ended
+            got = call(take_rows, {}, {f: getattr(state, f) for f in fields}, jnp.asarray(rows))
+            ended_rows = (got, finish[ended], [holder[s] for s in ended])
             for s in ended:
-                done[holder[s]] = completion(target, reqs[holder[s]], out, s, speculative)
-                pairs.append((holder[s], done[holder[s]]))
                 holder[s] = None
-        compiled = timing["compile"] - compiled_before
-        spent = time.perf_counter() - t0 - compiled
-        timing["decode"] += spent
-        if on_done is not None and pairs:
-            on_done(pairs, spent, compiled)
+        account(t0, compiled_before)
+    if ended_rows:
+        t0 = time.perf_counter()
+        pairs = harvest(*ended_rows)
+        account(t0, timing["compile"])
+        emit(pairs)
     return done, timing["decode"], timing["compile"], timing["graphs"]

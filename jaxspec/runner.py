@@ -133,7 +133,7 @@ SCHEDULERS = ("static", "continuous")
 def run(
     target: Model, requests: list[Request], max_batch_size: int,
     draft: Model | Ngram | None = None, num_draft: int = 0, tree: Tree | None = None, attention: str = "xla",
-    scheduler: str = "static", refill_at: int | None = None, on_done=None,
+    scheduler: str = "static", refill_at: int | None = None, on_done=None, admit_order: str = "longest",
 ) -> Completions:
     """Decodes all requests (results in their order); speculatively when a draft is given: a
     draft model over `tree` or else a chain of num_draft tokens, or n-gram lookup of num_draft
@@ -141,13 +141,15 @@ def run(
     scheduler "static": padded batches of up to max_batch_size, each run until its longest row
     ends; "continuous": max_batch_size slots, refilled as rows finish (jaxspec.continuous;
     refill_at: rows freed before a refill). on_done(pairs, decode_s, compile_s) gets the
-    (request index, Completion) pairs as they finish (continuous) or per batch (static)."""
+    (request index, Completion) pairs as they finish (continuous) or per batch (static);
+    admit_order: jaxspec.continuous.run_slots'."""
     if scheduler not in SCHEDULERS:
         raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if isinstance(draft, Model):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
     if scheduler == "continuous":
-        return _run_continuous(target, requests, max_batch_size, draft, num_draft, tree, attention, refill_at, on_done)
+        return _run_continuous(target, requests, max_batch_size, draft, num_draft, tree, attention, refill_at, on_done,
+                               admit_order)
     if draft is not None:
         drafter, params = drafter_for(draft, num_draft, tree)
     start = time.perf_counter()
@@ -191,7 +193,8 @@ def _metrics(results: list[Completion], wall_s: float, compile_s: float, decode_
     )
 
 
-def _run_continuous(target, requests, slots, draft, num_draft, tree, attention, refill_at, on_done) -> Completions:
+def _run_continuous(target, requests, slots, draft, num_draft, tree, attention, refill_at, on_done,
+                    admit_order) -> Completions:
     """Greedy and sampled requests each through their own slots (one graph each), in that order."""
     from jaxspec.continuous import PlainLoop, SpeculativeLoop, run_slots
 
@@ -209,7 +212,7 @@ def _run_continuous(target, requests, slots, draft, num_draft, tree, attention, 
         if not group:
             continue
         done, d, c, g = run_slots(target, group, min(slots, len(group)), loop, params, attention, greedy,
-                                  refill_at=refill_at, on_done=on_done)
+                                  refill_at=refill_at, on_done=on_done, admit_order=admit_order)
         for i, completion in done.items():
             results[i] = completion
         decode_s, compile_s, graphs = decode_s + d, compile_s + c, graphs + g

@@ -91,3 +91,51 @@ def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path):
     ids = [r["id"] for r in read_output(out)]
     assert sorted(ids) == sorted(r["id"] for r in records)  # every id, exactly once
     assert "48 ok" in stdout
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (the Ray instance its job started), from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            parents[int(entry.name)] = _parent(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, up in parents.items() if up in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def test_a_killed_driver_is_resumed_by_rerunning(tmp_path):
+    records = [{"id": f"d{i}", "prompt": f"# job {i}\ndef g{i}(y):\n"} for i in range(32)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= 1:
+                left = _descendants(proc.pid)  # its Ray instance: ended below, as the driver's death leaves it
+                proc.kill()
+                break
+            time.sleep(0.05)
+        assert left, "the job ended before its driver could be killed"
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    before = out.read_text()
+    done = subprocess.run(_cmd(src, out, "48", "2"), env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = out.read_text()
+    kept = before[: before.rfind("\n") + 1]  # complete lines written before the kill stay as they were
+    assert after.startswith(kept) and 1 <= kept.count("\n") < len(records)
+    ids = [r["id"] for r in read_output(out)]
+    assert sorted(ids) == sorted(r["id"] for r in records)  # every id, exactly once

@@ -10,6 +10,7 @@ import pytest
 import jaxspec
 from jaxspec.batch import lognormal_budgets, read_output, run_job, write_humaneval_jsonl
 from jaxspec.continuous import PlainLoop, advance
+from jaxspec.errors import InputError
 from jaxspec.ngram import Ngram
 from jaxspec.requests import Request, SamplingSettings
 from jaxspec.runner import run
@@ -49,9 +50,12 @@ def test_refill_policy_and_sampling_do_not_change_outputs(real_pair, requests_):
     mixed = [Request(r.token_ids, r.max_new_tokens, SamplingSettings(0.9, 0, 0.95) if i % 2 else r.sampling, 100 + i)
              for i, r in enumerate(requests_)]
     static = run(target, mixed, 4, draft=draft, num_draft=2, scheduler="static")
-    for refill_at in (1, 4):
-        outs = run(target, mixed, 4, draft=draft, num_draft=2, scheduler="continuous", refill_at=refill_at)
+    for refill_at, order in ((1, "longest"), (4, "longest"), (2, "arrival")):
+        outs = run(target, mixed, 4, draft=draft, num_draft=2, scheduler="continuous", refill_at=refill_at,
+                   admit_order=order)
         assert _same(outs, static)
+    with pytest.raises(InputError, match="admit_order must be one of longest, arrival; got 'fifo'"):
+        run(target, mixed, 4, scheduler="continuous", admit_order="fifo")
     reseeded = dataclasses.replace(mixed[1], seed=7)  # the sampled rows really sample
     assert static[1].token_ids != run(target, [reseeded], 1, draft=draft, num_draft=2)[0].token_ids
 
