@@ -43,8 +43,7 @@ def _seen_static(requests) -> list[list[int]]:
 
 
 def scheduler_rows(model, requests, batch: int, attention: str, *, draft=None, num_draft: int = 0,
-                   method: str = "plain", refills=(None,), lengths=LENGTHS, label: str | None = None,
-                   emit=None) -> list[dict]:
+                   method: str = "plain", refills=(None,), lengths=LENGTHS, emit=None) -> list[dict]:
     """Rows of records/s for the static scheduler and the continuous one at each refill policy,
     in each lengths case; `same_as_static`: records whose tokens equal the static scheduler's.
     emit(row): called as each row is measured (default: print it)."""
@@ -70,7 +69,7 @@ def scheduler_rows(model, requests, batch: int, attention: str, *, draft=None, n
         static_out = static_rate = None
         for scheduler, refill_at, groups, kw in runs:
             seconds, compile_s, tokens, out = timed(groups, **kw)
-            row = {"part": "continuous", "model": label or model.name, "method": method, "lengths": case,
+            row = {"part": "continuous", "model": model.name, "method": method, "lengths": case,
                    "scheduler": scheduler, "refill_at": refill_at, "batch": batch, "records": len(requests),
                    "new_tokens": tokens, "seconds": seconds, "compile_s": compile_s,
                    "records_per_s": len(requests) / seconds, "tokens_per_s": tokens / seconds}

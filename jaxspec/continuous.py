@@ -124,10 +124,10 @@ def _compiled(fn, static: dict, *args):
 
 def default_refill_at(slots: int) -> int:
     """Slots to free before refilling. CPU: one (embedded model, 16 slots, lognormal job:
-    refilling at 1 / 4 free slots gave 1.94 / 1.76 records/s). GPUs: an eighth of the
-    slots: at the 8B shape on an H200 a return to the host (sync, one-row prefill, insert) cost
-    about 13 ms, two decode steps, and refilling at 1 / 8 of 64 slots ran 0.74x / 0.90x the
-    static scheduler in one run (README, Continuous batching)."""
+    refilling at 1 / 4 free slots gave 1.94 / 1.76 records/s). GPUs: an eighth of the slots. At
+    the 8B shape on an H200 a return to the host (sync, prefill, insert) costs about two decode
+    steps; with lengths hidden, 32 slots ran 1.90x / 2.06x static at refill 2 / 4 and 64 slots
+    2.40x / 2.37x at 4 / 8 (README, Continuous batching)."""
     return 1 if jax.default_backend() == "cpu" else max(1, slots // 8)
 
 

@@ -1,34 +1,15 @@
 """Fixtures shared across test modules: the embedded real model pair and HumanEval prompts."""
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
+# No persistent compilation cache: on JAX 0.10.2 its reads and its writes each segfaulted a test
+# worker here (2026-12-01: jax's compilation_cache get_executable_and_time twice, then
+# put_executable_and_time on a speculative graph), for a 12 % gain on two modules.
 
 import jax
 import pytest
 
-# Compiled graphs on disk, shared by the xdist workers of one run (both build many of the same
-# graphs): 12 % off the speculative and tree modules' wall time on two workers. One folder per
-# run: reading an entry written by an earlier run segfaulted a worker twice on 2026-12-01 (inside
-# jax's compilation_cache.get_executable_and_time, for graphs with the Pallas kernel in interpret
-# mode, whose host callbacks do not survive another process's serialisation).
-CACHE_ROOT = Path(tempfile.gettempdir()) / "jaxspec-tests-jit-cache"
-jax.config.update("jax_compilation_cache_dir",
-                  str(CACHE_ROOT / (os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_compilation_cache_max_size", 512 * 2**20)
-
-import jaxspec  # noqa: E402
-from jaxspec.defaults import CHECKPOINTS  # noqa: E402
-from jaxspec.humaneval import load_prompts  # noqa: E402
-
-
-def pytest_unconfigure(config):
-    """The controller (or a run without workers) removes the run's compiled graphs, and any left
-    by an earlier run that was killed: none is ever read again."""
-    if not hasattr(config, "workerinput"):
-        shutil.rmtree(CACHE_ROOT, ignore_errors=True)
+import jaxspec
+from jaxspec.defaults import CHECKPOINTS
+from jaxspec.humaneval import load_prompts
 
 
 def pytest_configure(config):

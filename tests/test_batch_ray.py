@@ -67,11 +67,16 @@ def _replica_pids(driver: int) -> list[int]:
     return mine
 
 
-def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path):
-    records = [{"id": f"k{i}", "prompt": f"# task {i}\ndef f{i}(x):\n"} for i in range(48)]
+def _job(tmp_path, n: int) -> tuple[list[dict], Path, Path]:
+    """(records, input, output) of an n-record job of short code prompts."""
+    records = [{"id": f"k{i}", "prompt": f"# task {i}\ndef f{i}(x):\n"} for i in range(n)]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = tmp_path / "out.jsonl"
+    return records, src, tmp_path / "out.jsonl"
+
+
+def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path):
+    records, src, out = _job(tmp_path, 48)
     proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     killed = None
@@ -108,10 +113,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 def test_a_killed_driver_is_resumed_by_rerunning(tmp_path):
-    records = [{"id": f"d{i}", "prompt": f"# job {i}\ndef g{i}(y):\n"} for i in range(32)]
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = tmp_path / "out.jsonl"
+    records, src, out = _job(tmp_path, 32)
     proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     left: list[int] = []
     try:

@@ -63,3 +63,17 @@ def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
                       rows[("forward", "draft", "t=2")]["ms"] + rows[("forward", "target", "t=2")]["ms"])
     assert result["ceilings"]["copy_bandwidth_jax"] > 0 and result["ceilings"]["bf16_matmul_flops"] > 0
     assert "| spec round | K=1" in capsys.readouterr().out
+
+
+def test_scheduler_bench_compares_both_cases_record_by_record(tmp_path):
+    """`bench --parts continuous`: static and continuous rows in both lengths cases, each
+    continuous row with every record's tokens equal to the static scheduler's."""
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--shape", "tiny", "--no-hf", "--parts", "continuous", "--batch-sizes", "4",
+                     "--prompt-lens", "16", "--refill-at", "1,3", "--job-records-per-slot", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["lengths"], r["scheduler"], r["refill_at"]) for r in rows] == [
+        (case, s, r) for case in ("seen", "hidden") for s, r in (("static", None), ("continuous", 1), ("continuous", 3))]
+    assert all(r["records"] == 8 and r["records_per_s"] > 0 for r in rows)
+    assert all(r["same_as_static"] == 8 and r["vs_static"] > 0 for r in rows if r["scheduler"] == "continuous")
+    assert len({r["new_tokens"] for r in rows}) == 1  # every row decoded the same job
