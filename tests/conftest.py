@@ -1,8 +1,7 @@
 """Fixtures shared across test modules: the embedded real model pair and HumanEval prompts."""
 
-# No persistent compilation cache: on JAX 0.10.2 its reads and its writes each segfaulted a test
-# worker here (2026-12-01: jax's compilation_cache get_executable_and_time twice, then
-# put_executable_and_time on a speculative graph), for a 12 % gain on two modules.
+
+import gc
 
 import jax
 import pytest
@@ -10,6 +9,19 @@ import pytest
 import jaxspec
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.humaneval import load_prompts
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_graphs():
+    """Each module's compiled graphs are dropped after it: every XLA CPU executable keeps memory
+    maps, and a test worker that kept them all passed Linux's 65 530 maps per process late in
+    the run and crashed inside XLA's compiler (segfaults and aborts in test_trees, 2026-12-01)."""
+    yield
+    from jaxspec import runner
+
+    runner._compiled.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_configure(config):
