@@ -26,9 +26,6 @@ class Replica:
         self.draft = draft if not isinstance(draft, dict) else jaxspec.load(
             draft["path"], dtype=draft["dtype"], tensor_parallel=draft["tensor_parallel"])
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def run(self, key: int, records: list, settings, method: tuple):
         """-> (key, completions in the order of `records`, decode_s, compile_s, worker pid)."""
         from jaxspec.batch_local import run_local

@@ -39,6 +39,7 @@ PARTS = ("hf", "plain", "forward", "spec", "prefill", "acceptance", "continuous"
 
 def add_scale_args(p) -> None:
     from jaxspec.bench import _ints
+    from jaxspec.bench_schedulers import lengths_cases
 
     g = p.add_argument_group("real shapes (--shape): random weights made on the device")
     g.add_argument("--shape", help="named target shape (jaxspec.shapes.SHAPES, e.g. llama3-8b): switches to this mode")
@@ -62,7 +63,7 @@ def add_scale_args(p) -> None:
     g.add_argument("--job-records-per-slot", type=int, default=8,
                    help="continuous part, --shape: records of the lognormal-budget job per batch slot (default 8)")
     g.add_argument("--refill-at", type=_ints, help="continuous part: refill policies to time (default: the engine's)")
-    g.add_argument("--lengths", default="seen,hidden",
+    g.add_argument("--lengths", type=lengths_cases, default="seen,hidden",
                    help="continuous part: cases of the job (jaxspec.bench_schedulers), comma-separated (default seen,hidden)")
 
 
@@ -357,13 +358,13 @@ def run_scale_bench(args) -> int:
     if "prefill" in parts:
         emit(prefill_row(target, args.prefill_len, R, rate, args.seed))
     if "continuous" in parts:
-        from jaxspec.bench_schedulers import lengths_cases, lognormal_requests, scheduler_rows
+        from jaxspec.bench_schedulers import lognormal_requests, scheduler_rows
 
         for b in args.batch_sizes:
             requests = lognormal_requests(_prompts(target.config.vocab_size, args.job_records_per_slot * b, P, args.seed),
                                           args.seed)
             scheduler_rows(target, requests, b, attention, refills=args.refill_at or [None],
-                           lengths=lengths_cases(args.lengths), emit=emit)
+                           lengths=args.lengths, emit=emit)
     save()
     _print_summary(result)
     return 0

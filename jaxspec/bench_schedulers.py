@@ -13,15 +13,16 @@ Each row of the job ends at its own budget. Two cases of it:
 
 from __future__ import annotations
 
-from jaxspec.errors import InputError
-
 LENGTHS = ("seen", "hidden")
 
 
 def lengths_cases(text: str) -> list[str]:
+    """--lengths (argparse type): comma-separated cases of LENGTHS."""
+    import argparse
+
     cases = [c for c in text.split(",") if c]
     if not cases or set(cases) - set(LENGTHS):
-        raise InputError(f"--lengths: comma-separated {' and/or '.join(LENGTHS)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"comma-separated {' and/or '.join(LENGTHS)}; got {text!r}")
     return cases
 
 
@@ -117,5 +118,5 @@ def run_embedded(args, target, draft, prompts) -> list[dict]:
     for b in args.batch_sizes:
         for d, k, name in methods:
             scheduler_rows(target, requests, b, attention, draft=d, num_draft=k, method=name,
-                           refills=args.refill_at or [None], lengths=lengths_cases(args.lengths), emit=emit)
+                           refills=args.refill_at or [None], lengths=args.lengths, emit=emit)
     return rows

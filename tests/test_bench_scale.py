@@ -77,3 +77,9 @@ def test_scheduler_bench_compares_both_cases_record_by_record(tmp_path):
     assert all(r["records"] == 8 and r["records_per_s"] > 0 for r in rows)
     assert all(r["same_as_static"] == 8 and r["vs_static"] > 0 for r in rows if r["scheduler"] == "continuous")
     assert len({r["new_tokens"] for r in rows}) == 1  # every row decoded the same job
+
+
+def test_scheduler_bench_refuses_an_unknown_lengths_case_up_front(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--shape", "tiny", "--parts", "continuous", "--lengths", "seen,eos"])
+    assert "argument --lengths: comma-separated seen and/or hidden; got 'seen,eos'" in capsys.readouterr().err
