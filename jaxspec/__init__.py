@@ -6,14 +6,16 @@ import os
 # advice is noise here (set the variable to 0 to see transformers' advice again).
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jaxspec.config import ModelConfig, load_config
+from jaxspec.decoding.method import DecodeMethod
 from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
-from jaxspec.generate import generate
-from jaxspec.loading import Model, load
-from jaxspec.stats import CallMetrics, Completion, Completions, RequestStats
+from jaxspec.graphs import GraphCache
+from jaxspec.model.config import ModelConfig, load_config
+from jaxspec.model.loading import Model, load
+from jaxspec.serving.generate import generate
+from jaxspec.serving.stats import CallMetrics, Completion, Completions, RequestStats
 
 __all__ = [
-    "CallMetrics", "CheckpointError", "Completion", "Completions", "ConfigError", "InputError",
-    "JaxspecError", "Model", "ModelConfig", "RequestStats", "generate", "load", "load_config",
+    "CallMetrics", "CheckpointError", "Completion", "Completions", "ConfigError", "DecodeMethod", "GraphCache",
+    "InputError", "JaxspecError", "Model", "ModelConfig", "RequestStats", "generate", "load", "load_config",
 ]
 __version__ = "0.1.0"

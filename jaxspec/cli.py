@@ -9,9 +9,20 @@ import os
 import sys
 from pathlib import Path
 
+from jaxspec.bench.main import add_bench_args, run_bench
+from jaxspec.checks import int_list, int_list_or_none
+from jaxspec.decoding.method import DEFAULT_NUM_DRAFT
+from jaxspec.decoding.ngram import Ngram
 from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
 from jaxspec.distributed import add_parallel_args, initialize, is_main_process
 from jaxspec.errors import JaxspecError
+from jaxspec.jobs.job import run_job
+from jaxspec.jobs.records import check_unique, read_input
+from jaxspec.jobs.report import format_summary
+from jaxspec.jobs.settings import AUTO_KS, AUTO_NGRAM_KS, JobSettings
+from jaxspec.model.checkpoint import convert_hf_checkpoint
+from jaxspec.model.loading import load
+from jaxspec.serving.generate import generate
 
 
 def add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -25,8 +36,6 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_convert(args) -> int:
-    from jaxspec.checkpoint import convert_hf_checkpoint
-
     if args.out_dir and args.out_flag and args.out_dir != args.out_flag:
         raise JaxspecError("give the output folder once: OUT_DIR or --out, not both")
     out = args.out_dir or args.out_flag or CHECKPOINTS / Path(args.hf_dir).resolve().name
@@ -55,47 +64,61 @@ def add_ngram_args(p: argparse.ArgumentParser) -> None:
 
 def load_draft(args, path):
     """--draft: "ngram" (n-gram lookup settings, checked), or a draft model folder."""
-    import jaxspec
-    from jaxspec.ngram import Ngram
-
     if path == "ngram":
         return Ngram(args.ngram_min, args.ngram_max, args.ngram_branches)
-    return jaxspec.load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
+    return load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
+
+
+def _print_completions(prompts, outs, as_json: bool) -> None:
+    for prompt, out in zip(prompts, outs):
+        if as_json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "stats": out.stats.as_dict()}))
+            continue
+        s = out.stats
+        acc = "" if s.acceptance_rate is None else (
+            f", acceptance {s.acceptance_rate:.2f}, {s.tokens_per_step:.2f} tokens/target step"
+        )
+        print(f"=== prompt\n{prompt}\n=== completion ({out.finish_reason}, {s.new_tokens} tokens{acc})")
+        print(out.text)
+
+
+def _compare_plain(prompts, target, draft, outs, settings: dict) -> None:
+    """Times the same call plainly and speculatively (compiled graphs, a second call each) and
+    prints the speedup and whether the output is the plain output."""
+    plain = [generate(prompts, target, None, **settings) for _ in range(2)][-1]
+    spec = generate(prompts, target, draft, **settings)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain))
+    speedup = plain.metrics.decode_s / spec.metrics.decode_s if spec.metrics.decode_s > 0 else 0.0
+    print(f"--- speculative {spec.metrics.tokens_per_s:.1f} tokens/s vs plain {plain.metrics.tokens_per_s:.1f} "
+          f"tokens/s: {speedup:.2f}x the speed of plain decoding, measured here; output identical to plain "
+          f"decoding for {same} of {len(prompts)} prompt(s)")
 
 
 def run_generate(args) -> int:
-    import jaxspec
-
     prompts = list(args.prompt)
     if args.file:
         prompts += [json.loads(line)["prompt"] for line in Path(args.file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise JaxspecError("give at least one prompt: PROMPT arguments or --file")
-    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype,
-                          tensor_parallel=args.tensor_parallel)
+    if args.compare_plain and not args.draft:
+        raise JaxspecError("--compare-plain needs --draft: it compares speculative decoding with plain decoding")
+    target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     draft = load_draft(args, args.draft) if args.draft else None
-    outs = jaxspec.generate(
-        prompts, target, draft, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens,
-        tree=args.tree, attention=args.attention,
-    )
-    for prompt, out in zip(prompts, outs):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "stats": out.stats.as_dict()}))
-        else:
-            s = out.stats
-            acc = "" if s.acceptance_rate is None else (
-                f", acceptance {s.acceptance_rate:.2f}, {s.tokens_per_step:.2f} tokens/target step"
-            )
-            print(f"=== prompt\n{prompt}\n=== completion ({out.finish_reason}, {s.new_tokens} tokens{acc})")
-            print(out.text)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, tree=args.tree,
+                    attention=args.attention)
+    outs = generate(prompts, target, draft, **settings)
+    _print_completions(prompts, outs, args.json)
     m = outs.metrics
     print(
         f"--- {m.requests} prompt(s), {m.new_tokens} new tokens, {m.tokens_per_s:.1f} tokens/s "
-        f"(decode {m.decode_s:.2f} s, compile {m.compile_s:.2f} s, {m.graphs_compiled} graph(s))",
+        f"(decode {m.decode_s:.2f} s, compile {m.compile_s:.2f} s, {m.graphs_compiled} graph(s) compiled, "
+        f"{m.graph_cache_hits} reused)",
         file=sys.stderr,
     )
+    if args.compare_plain:
+        _compare_plain(prompts, target, draft, outs, settings)
     return 0
 
 
@@ -122,14 +145,13 @@ def _sample(text: str):
 
 
 def add_batch_args(p: argparse.ArgumentParser) -> None:
-    from jaxspec.bench import _ints
-
     p.add_argument("input", metavar="IN.jsonl", help="input records, one JSON object per line")
     p.add_argument("output", metavar="OUT.jsonl", help="output records (appended to; a rerun resumes)")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
     p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup (default: the embedded code-draft-4m)')
     p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
+                   help=f"draft tokens K per target pass (default {DEFAULT_NUM_DRAFT})")
     p.add_argument("--batch-size", type=int, default=8,
                    help="records decoded at once: continuous slots or static batch rows (default 8)")
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
@@ -144,10 +166,11 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-sample", type=_sample, default=0.05,
                    help="canary sample: a fraction (default 0.05, at least 8 records and 2 batches) or a "
                         "count (16) of the records, rounded up to whole batches")
-    p.add_argument("--auto-k", type=_ints, default=[2, 3, 4], help="draft lengths K the canary tries (default 2,3,4)")
+    p.add_argument("--auto-k", type=int_list, default=list(AUTO_KS),
+                   help=f"draft lengths K the canary tries (default {','.join(map(str, AUTO_KS))})")
     p.add_argument("--auto-trees", default="",
                    help="named draft trees the canary tries too, comma-separated (e.g. binary-3,sparse; default none)")
-    p.add_argument("--auto-ngram-k", type=lambda t: _ints(t) if t.strip() else [], default=[4, 8],
+    p.add_argument("--auto-ngram-k", type=int_list_or_none, default=list(AUTO_NGRAM_KS),
                    help="n-gram lookup lengths the canary tries too, comma-separated (default 4,8; '' for none)")
     p.add_argument("--auto-repeats", type=int, default=2, help="timed passes per canary candidate, best kept (default 2)")
     p.add_argument("--auto-min-speedup", type=float, default=1.05,
@@ -193,35 +216,32 @@ def _jaxspec_logging():
         logger.propagate = saved[1]
 
 
-def run_batch(args) -> int:
-    import jaxspec
-    from jaxspec.batch import check_unique, read_input, run_job
-    from jaxspec.report import format_summary
+def job_settings(args) -> JobSettings:
+    """The batch job's settings from its flags (checked before any model is loaded)."""
+    return JobSettings(
+        num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, scheduler=args.scheduler,
+        refill_at=args.refill_at, auto=args.auto, auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
+        auto_trees=tuple(t for t in args.auto_trees.split(",") if t), auto_ngram_ks=tuple(args.auto_ngram_k),
+        auto_repeats=args.auto_repeats, auto_min_speedup=args.auto_min_speedup,
+        warn_below_acceptance=args.warn_below_acceptance, workers=args.workers,
+        gpus_per_worker=args.gpus_per_worker, ray_address=args.ray_address,
+        metrics_log=None if args.no_metrics_log else (args.metrics_log or True), summary_path=args.summary,
+        plot_path=None if args.no_plot else (args.plot or True), progress=not args.no_progress,
+    )
 
+
+def run_batch(args) -> int:
     if args.no_draft and (args.draft or args.auto):
         raise JaxspecError("--no-draft cannot be combined with --draft or --auto")
     if not Path(args.input).is_file():
         raise JaxspecError(f"input file {args.input} does not exist")
+    settings = job_settings(args)
     check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
-    target = jaxspec.load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype,
-                          tensor_parallel=args.tensor_parallel)
+    target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     draft = None if args.no_draft else load_draft(args, args.draft or embedded_model(DEFAULT_DRAFT))
     with _jaxspec_logging():
-        summary = run_job(
-            args.input, args.output, target, draft, num_draft_tokens=args.num_draft_tokens,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, auto=args.auto,
-            auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
-            auto_trees=tuple(t for t in args.auto_trees.split(",") if t),
-            auto_ngram_ks=tuple(args.auto_ngram_k),
-            auto_repeats=args.auto_repeats,
-            auto_min_speedup=args.auto_min_speedup,
-            metrics_log=None if args.no_metrics_log else (args.metrics_log or True),
-            summary_path=args.summary, plot_path=None if args.no_plot else (args.plot or True),
-            warn_below_acceptance=args.warn_below_acceptance, progress=not args.no_progress,
-            scheduler=args.scheduler, refill_at=args.refill_at, workers=args.workers,
-            gpus_per_worker=args.gpus_per_worker, ray_address=args.ray_address,
-        )
+        summary = run_job(args.input, args.output, target, draft, settings)
     print(format_summary(summary))
     return 0
 
@@ -241,10 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup in the prompt and output: '
                                    "decode speculatively (default: plain decoding)")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens K per target pass (default 3)")
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
+                   help=f"draft tokens K per target pass (default {DEFAULT_NUM_DRAFT})")
     p.add_argument("--tree", help="a named draft tree instead of a chain of K (binary-3, sparse, chain-3, chain-7)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also decode plainly and print the measured speedup and whether the output is identical")
     add_sampling_args(p)
     add_ngram_args(p)
     add_parallel_args(p)
@@ -256,8 +279,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_batch_args(p)
     p.set_defaults(func=run_batch)
-
-    from jaxspec.bench import add_bench_args, run_bench
 
     p = sub.add_parser("bench", help="tokens/s of plain and speculative decoding vs HF transformers")
     add_bench_args(p)

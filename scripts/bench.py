@@ -7,7 +7,8 @@
 import argparse
 import sys
 
-from jaxspec.bench import __doc__ as DOC, add_bench_args, run_bench
+from jaxspec.bench.main import __doc__ as DOC
+from jaxspec.bench.main import add_bench_args, run_bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,8 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.trees import ancestor_mask, balanced_tree, chain
-from pallas_kernels.tree_attention import BLOCK_K, tiling, tree_attention, tree_attention_reference
+from jaxspec.decoding.trees import ancestor_mask, balanced_tree, chain
+from pallas_kernels.tree_attention import (
+    BLOCK_K,
+    tiling,
+    tree_attention,
+    tree_attention_reference,
+)
 
 H, N, D = 32, 8, 128
 SETS = 8

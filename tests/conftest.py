@@ -7,8 +7,8 @@ import jax
 import pytest
 
 import jaxspec
+from jaxspec.bench.humaneval import load_prompts
 from jaxspec.defaults import CHECKPOINTS
-from jaxspec.humaneval import load_prompts
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,14 +14,23 @@ import pytest
 
 import jaxspec
 from jaxspec import cli
-from jaxspec.batch import (
-    BatchError, ChunkWriter, JobDefaults, Record, build_request, default_paths, parse_line, plan_chunks, read_output,
-    repair_tail, run_job,
-)
+from jaxspec.bench.humaneval import load_prompts
 from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.errors import InputError
-from jaxspec.humaneval import load_prompts
-from jaxspec.metrics_log import read_log
+from jaxspec.jobs.job import (
+    BatchError,
+    ChunkWriter,
+    JobDefaults,
+    Record,
+    build_request,
+    default_paths,
+    parse_line,
+    plan_chunks,
+    read_output,
+    repair_tail,
+    run_job,
+)
+from jaxspec.jobs.metrics_log import read_log
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TARGET = CHECKPOINTS / "hf" / "code-target-16m"

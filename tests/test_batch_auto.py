@@ -6,14 +6,14 @@ import logging
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny
 
 import jaxspec
-from jaxspec.batch import read_output, run_job
-from jaxspec.canary import pick_sample, sample_size, spread
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.errors import InputError
-from jaxspec.metrics_log import AcceptanceWatch, read_log
-from tiny_models import save_tiny
+from jaxspec.jobs.canary import pick_sample, sample_size, spread
+from jaxspec.jobs.job import read_output, run_job
+from jaxspec.jobs.metrics_log import AcceptanceWatch, read_log
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -167,6 +167,6 @@ def test_sample_size_spread_and_pick():
 
 
 def test_the_rate_is_shown_with_the_digits_that_put_it_below():
-    from jaxspec.metrics_log import below
+    from jaxspec.jobs.metrics_log import below
 
     assert below(0.5996, 0.6) == "0.5996 is below 0.60" and below(0.42, 0.6) == "0.42 is below 0.60"

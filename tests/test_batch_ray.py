@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.batch import read_output, run_job, write_humaneval_jsonl
+from jaxspec.jobs.job import read_output, run_job, write_humaneval_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 REPO = Path(__file__).resolve().parents[1]

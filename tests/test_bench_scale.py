@@ -9,9 +9,9 @@ import pytest
 import transformers
 
 import jaxspec
+from jaxspec.bench.shapes import SHAPES, random_model, shape_config
 from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
-from jaxspec.shapes import SHAPES, random_model, shape_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -10,9 +10,9 @@ import pytest
 from safetensors.flax import load_file, save_file
 
 import jaxspec
-from jaxspec.checkpoint import convert_hf_checkpoint, read_hf_weights
 from jaxspec.cli import main as cli_main
 from jaxspec.defaults import CHECKPOINTS
+from jaxspec.model.checkpoint import convert_hf_checkpoint, read_hf_weights
 
 HF_DRAFT = CHECKPOINTS / "hf" / "code-draft-4m"
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -142,7 +142,7 @@ def test_multi_shard_checkpoint_is_read_into_one_copy(tmp_path):
     each field is allocated once, stacked over layers, and filled tensor by tensor."""
     import tracemalloc
 
-    from jaxspec.config import load_config
+    from jaxspec.model.config import load_config
 
     src = CHECKPOINTS / "hf" / "code-target-16m"
     tensors = load_file(str(src / "model.safetensors"))

@@ -8,12 +8,17 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.batch import lognormal_budgets, read_output, run_job, write_humaneval_jsonl
-from jaxspec.continuous import PlainLoop, advance
+from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
-from jaxspec.ngram import Ngram
-from jaxspec.requests import Request, SamplingSettings
-from jaxspec.runner import run
+from jaxspec.jobs.job import (
+    lognormal_budgets,
+    read_output,
+    run_job,
+    write_humaneval_jsonl,
+)
+from jaxspec.serving.continuous import PlainLoop, advance
+from jaxspec.serving.requests import Request, SamplingSettings
+from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -71,13 +76,13 @@ def test_generate_past_one_batch_uses_slots(real_pair, requests_):
 def test_the_loop_returns_only_when_rows_free_up(real_pair):
     """One while_loop, no host callbacks; it stops after `need` rows finished."""
     target = real_pair[0]
-    from jaxspec.continuous import begin
-    from jaxspec.runner import make_batch
+    from jaxspec.serving.continuous import begin
+    from jaxspec.serving.runner import make_batch
 
     loop = PlainLoop(target.config)
     static = dict(loop=loop, capacity=64, max_out=32, greedy_only=True)
     reqs = [Request((5, 6, 7), budget, SamplingSettings(), 0) for budget in (3, 9, 30, 30)]
-    from jaxspec.continuous import admit
+    from jaxspec.serving.continuous import admit
 
     state, batch = begin(target.weights, None, make_batch([], 4, 1, 0), **static)
     state, batch = admit(target.weights, None, state, batch, make_batch(reqs, 4, 16, 0), jax.numpy.arange(4), **static)

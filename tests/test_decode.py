@@ -3,7 +3,6 @@
 import dataclasses
 
 import jax
-import numpy as np
 import pytest
 
 import jaxspec

@@ -16,15 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import torch
 import transformers
+from tiny_models import TINY, build_tiny_hf
 
 import jaxspec
-from jaxspec.cache import KVCache
-from jaxspec.checkpoint import convert_hf_checkpoint
-from jaxspec.model import forward
-from tiny_models import TINY, build_tiny_hf
+from jaxspec.model.cache import KVCache
+from jaxspec.model.checkpoint import convert_hf_checkpoint
+from jaxspec.model.forward import forward
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_MODELS = ("code-target-16m", "code-draft-4m")

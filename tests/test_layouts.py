@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 import jaxspec
-import jaxspec.model
-from jaxspec.cache import KVCache
+import jaxspec.model.layout
 from jaxspec.defaults import CHECKPOINTS
-from jaxspec.model import LayerWeights, forward
+from jaxspec.model.cache import KVCache
+from jaxspec.model.forward import forward
+from jaxspec.model.weights import LayerWeights
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 HF = CHECKPOINTS / "hf"
@@ -19,8 +20,8 @@ HF = CHECKPOINTS / "hf"
 @pytest.fixture(scope="module")
 def gpu_layout_pair():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jaxspec.model, "scan_layers", lambda: False)
-        mp.setattr(jaxspec.model, "fuse_mlp", lambda: True)
+        mp.setattr(jaxspec.model.layout, "scan_layers", lambda: False)
+        mp.setattr(jaxspec.model.layout, "fuse_mlp", lambda: True)
         pair = (jaxspec.load(HF / "code-target-16m", dtype="float32"),
                 jaxspec.load(HF / "code-draft-4m", dtype="float32"))
         yield pair

@@ -5,14 +5,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_speculative_distribution import (
+    SETTINGS,
+    chi2_pvalue,
+    exact_joint,
+    sampled_joint,
+)
+from test_speculative_distribution import pair as tiny_pair  # noqa: F401  (fixture)
+from tiny_models import TINY, save_tiny
 
 import jaxspec
 from jaxspec import runner
-from jaxspec.ngram import Ngram, NgramDrafter, continuations, distinct, ngram_tree
-from jaxspec.speculative import speculative_decode
-from test_speculative_distribution import SETTINGS, chi2_pvalue, exact_joint, sampled_joint
-from test_speculative_distribution import pair as tiny_pair  # noqa: F401  (fixture)
-from tiny_models import TINY, save_tiny
+from jaxspec.decoding.ngram import (
+    Ngram,
+    NgramDrafter,
+    continuations,
+    distinct,
+    ngram_tree,
+)
+from jaxspec.decoding.speculative import speculative_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MAX_NEW = 64
@@ -110,8 +121,8 @@ def test_sampling_matches_target_distribution(tiny_pair, branches, setting):  # 
 
 
 def test_one_compiled_loop(real_pair):
-    from jaxspec.requests import Request, SamplingSettings
-    from jaxspec.runner import make_batch
+    from jaxspec.serving.requests import Request, SamplingSettings
+    from jaxspec.serving.runner import make_batch
 
     target = real_pair[0]
     batch = make_batch([Request((1, 2, 3, 1, 2), 8, SamplingSettings(), 0)], 1, 16, 0)
@@ -139,7 +150,7 @@ def test_batch_job_with_ngram_lookup(tmp_path, real_pair):
     import json
 
     from jaxspec import cli
-    from jaxspec.batch import read_output, run_job
+    from jaxspec.jobs.job import read_output, run_job
 
     target = real_pair[0]
     prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(3):\n    print(i)\nfor j in",
@@ -192,8 +203,8 @@ def test_generate_command_line(capsys):
 
 def test_the_test_catches_a_residual_that_keeps_the_rejected_token(tiny_pair, monkeypatch):  # noqa: F811
     """The classic point-mass mistake: on rejection, drawing from p itself (x not removed)."""
-    import jaxspec.speculative as speculative
-    from jaxspec.acceptance import leading_true
+    import jaxspec.decoding.speculative as speculative
+    from jaxspec.decoding.acceptance import leading_true
 
     def keeps_x(drafts, q, p, uniforms, keys):
         k = drafts.shape[1]

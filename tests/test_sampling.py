@@ -7,10 +7,18 @@ import pytest
 import torch
 from scipy import stats as sps
 from transformers.generation.logits_process import (
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
-from jaxspec.sampling import SamplingParams, filtered_logits, row_keys, sample_tokens, target_probs
+from jaxspec.decoding.sampling import (
+    SamplingParams,
+    filtered_logits,
+    row_keys,
+    sample_tokens,
+    target_probs,
+)
 
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),

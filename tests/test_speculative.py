@@ -4,12 +4,12 @@ import dataclasses
 
 import jax
 import pytest
+from tiny_models import TINY, save_tiny
 
 import jaxspec
-from jaxspec.draft_model import ModelDrafter
-from jaxspec.speculative import speculative_decode
-from jaxspec.trees import chain
-from tiny_models import TINY, save_tiny
+from jaxspec.decoding.draft_model import ModelDrafter
+from jaxspec.decoding.speculative import speculative_decode
+from jaxspec.decoding.trees import chain
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MAX_NEW = 48
@@ -108,8 +108,8 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(pair, prompts):
 def test_mixed_greedy_and_sampled_rows(pair, prompts):
     """A greedy row keeps the target's greedy output beside sampled rows."""
     target, draft = pair
-    from jaxspec.requests import Request, SamplingSettings
-    from jaxspec.runner import run
+    from jaxspec.serving.requests import Request, SamplingSettings
+    from jaxspec.serving.runner import run
 
     ids = [tuple(target.tokenizer.encode(p)) for p in prompts[:2]]
     reqs = [Request(ids[0], 24, SamplingSettings(), 0), Request(ids[1], 24, SamplingSettings(1.0, 20, 0.9), 3)]
@@ -121,8 +121,8 @@ def test_mixed_greedy_and_sampled_rows(pair, prompts):
 def test_one_compiled_loop_and_no_host_round_trips(pair, prompts):
     """The whole generation is a single while_loop in one graph, with no host callbacks."""
     target, draft = pair
-    from jaxspec.requests import Request, SamplingSettings
-    from jaxspec.runner import make_batch
+    from jaxspec.serving.requests import Request, SamplingSettings
+    from jaxspec.serving.runner import make_batch
 
     batch = make_batch([Request((1, 2, 3), 8, SamplingSettings(), 0)], 1, 16, 0)
     jaxpr = jax.make_jaxpr(

@@ -13,16 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats as sps
+from tiny_models import save_tiny
 
 import jaxspec
-import jaxspec.speculative as speculative
+import jaxspec.decoding.speculative as speculative
 from jaxspec import runner
-from jaxspec.acceptance import accept_sampling
-from jaxspec.cache import KVCache
-from jaxspec.model import forward
-from jaxspec.requests import Request, SamplingSettings
-from jaxspec.sampling import SamplingParams, target_probs
-from tiny_models import save_tiny
+from jaxspec.decoding.acceptance import accept_sampling
+from jaxspec.decoding.sampling import SamplingParams, target_probs
+from jaxspec.model.cache import KVCache
+from jaxspec.model.forward import forward
+from jaxspec.serving.requests import Request, SamplingSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 VOCAB = 16

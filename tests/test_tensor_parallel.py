@@ -3,15 +3,14 @@ devices gives the greedy tokens it gives whole, token for token in float32; its 
 really split; a size the heads cannot take is a clear error."""
 
 import jax
-import numpy as np
 import pytest
+from tiny_models import save_tiny
 
 import jaxspec
-import jaxspec.model
-from jaxspec.cache import KVCache
-from jaxspec.checkpoint import convert_hf_checkpoint
+import jaxspec.model.layout
 from jaxspec.defaults import CHECKPOINTS
-from tiny_models import save_tiny
+from jaxspec.model.cache import KVCache
+from jaxspec.model.checkpoint import convert_hf_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 HF = CHECKPOINTS / "hf"
@@ -101,8 +100,8 @@ def test_gpu_layout_and_pallas_kernel_per_shard(tiny_dirs):
     Pallas kernel running on each shard (interpret mode), against the whole model."""
     prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jaxspec.model, "scan_layers", lambda: False)
-        mp.setattr(jaxspec.model, "fuse_mlp", lambda: True)
+        mp.setattr(jaxspec.model.layout, "scan_layers", lambda: False)
+        mp.setattr(jaxspec.model.layout, "fuse_mlp", lambda: True)
         whole = jaxspec.load(tiny_dirs["gqa"], dtype="float32")
         split = jaxspec.load(tiny_dirs["gqa"], dtype="float32", tensor_parallel=2)
         draft = jaxspec.load(tiny_dirs["mqa"], dtype="float32", tensor_parallel=2)  # split too
@@ -162,10 +161,18 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
     """No GPU needed: a forward pass split over an abstract mesh of two MI300X (or H200) lowers,
     with the fused Pallas kernel as a Triton call on each shard and the layer's all-reduces."""
     import jax.numpy as jnp
-    from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec, use_abstract_mesh
+    from jax.sharding import (
+        AbstractDevice,
+        AbstractMesh,
+        NamedSharding,
+        PartitionSpec,
+        use_abstract_mesh,
+    )
 
-    from jaxspec.model import LayerWeights, Weights, cache_specs, forward, weight_specs
-    from jaxspec.shapes import layer_shapes, shape_config
+    from jaxspec.bench.shapes import layer_shapes, shape_config
+    from jaxspec.model.cache import cache_specs
+    from jaxspec.model.forward import forward
+    from jaxspec.model.weights import LayerWeights, Weights, weight_specs
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU layout, kernel compiled
     c = shape_config("tiny")

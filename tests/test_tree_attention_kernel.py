@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from jaxspec.decoding.trees import ancestor_mask, balanced_tree, chain
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
-from jaxspec.trees import ancestor_mask, balanced_tree, chain
 
 ON_GPU = jax.default_backend() == "gpu"
 # Relative error bounds (METHOD.md): float32 arithmetic lands far under 1e-3 (the kernel asks
@@ -106,8 +106,9 @@ def test_kernel_lowers_ahead_of_time(platform, device_kind, d):
 def test_engine_with_the_kernel_matches_the_xla_path(tmp_path):
     """Decoding and speculative verification through the fused kernel (interpret mode on the
     CPU) give the same greedy tokens as the XLA attention path."""
-    import jaxspec
     from tiny_models import TINY, save_tiny
+
+    import jaxspec
 
     kind, overrides = TINY["llama_gqa"]
     target = jaxspec.load(save_tiny(tmp_path / "t", kind, overrides, seed=1), dtype="float32")

@@ -2,14 +2,25 @@
 
 import numpy as np
 import pytest
-
-import jaxspec
-from jaxspec.trees import (
-    NAMED_TREES, ancestor_mask, balanced_tree, chain, depths, resolve_tree, tree_from_choices,
+from test_speculative_distribution import (
+    SETTINGS,
+    chi2_pvalue,
+    exact_joint,
+    sampled_joint,
 )
-from test_speculative_distribution import SETTINGS, chi2_pvalue, exact_joint, sampled_joint
 from test_speculative_distribution import pair as tiny_pair  # noqa: F401  (fixture)
 from tiny_models import TINY, save_tiny
+
+import jaxspec
+from jaxspec.decoding.trees import (
+    NAMED_TREES,
+    ancestor_mask,
+    balanced_tree,
+    chain,
+    depths,
+    resolve_tree,
+    tree_from_choices,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MAX_NEW = 48

@@ -1,20 +1,29 @@
 """Baseline for docs/REAL_SCALE.md: the engine as it was at commit 55b7a1d (layers stacked, run by a
 lax.scan), at the Llama-3.1-8B / Llama-3.2-1B shapes with random bf16 weights, timed as
-jaxspec.bench_scale times plain decoding (decode time minus prefill time, over steps or rounds).
+jaxspec.bench.scale times plain decoding (decode time minus prefill time, over steps or rounds).
 
     mkdir -p .scratch/baseline && git archive 55b7a1d jaxspec pallas_kernels | tar -x -C .scratch/baseline
     python docs/bench/baseline_scan.py      # on the GPU machine, from the repository root
 """
-import dataclasses, functools, json, sys, time
+import dataclasses
+import functools
+import json
+import sys
+import time
+
 sys.path.insert(0, ".scratch/baseline")
-import jax, jax.numpy as jnp, numpy as np
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 import jaxspec
-from jaxspec.decode import prefill
-from jaxspec.config import config_from_hf
-from jaxspec.loading import Model
-from jaxspec.model import param_specs, weights_from_fields
-from jaxspec.runner import bucket, cache_capacity, make_batch
-from jaxspec.generate import build_requests
+from jaxspec.decoding.plain import prefill
+from jaxspec.model.config import config_from_hf
+from jaxspec.model.loading import Model
+from jaxspec.model.weights import param_specs, weights_from_fields
+from jaxspec.serving.generate import build_requests
+from jaxspec.serving.runner import bucket, cache_capacity, make_batch
+
 assert "scratch/baseline" in jaxspec.__file__, jaxspec.__file__
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}

@@ -8,8 +8,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
 
 import jaxspec  # noqa: E402
+from jaxspec.bench.humaneval import load_prompts  # noqa: E402
 from jaxspec.defaults import CHECKPOINTS  # noqa: E402
-from jaxspec.humaneval import load_prompts  # noqa: E402
 
 target = jaxspec.load(CHECKPOINTS / "hf" / "code-target-16m", dtype="float32")
 draft = jaxspec.load(CHECKPOINTS / "hf" / "code-draft-4m", dtype="float32")

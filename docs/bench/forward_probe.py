@@ -4,11 +4,15 @@ compare engines in one session (docs/REAL_SCALE.md, run 5):
 
     PYTHONPATH=<checkout> python3 docs/bench/forward_probe.py LABEL llama3.2-1b:1,2 llama3-8b:1
 """
-import json, os, sys, time
-import numpy as np, jax
-from jaxspec.shapes import random_model
-from jaxspec.bench_scale import forward_ms
-from jaxspec.trees import NAMED_TREES, ancestor_mask
+import json
+import sys
+import time
+
+import numpy as np
+
+from jaxspec.bench.scale import forward_ms
+from jaxspec.bench.shapes import random_model
+from jaxspec.decoding.trees import NAMED_TREES, ancestor_mask
 
 label = sys.argv[1]
 for spec in sys.argv[2:]:

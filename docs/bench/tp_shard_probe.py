@@ -1,12 +1,17 @@
 """One shard's share of a tensor-parallel-2 8B step, on one GPU and without the collectives: the
 8B config with half the heads, kv heads, ffn columns and vocabulary. A lower bound on the split
 step. Also the whole 8B for comparison, in the same process."""
-import dataclasses, json
+import dataclasses
+import json
 from pathlib import Path
-import numpy as np, jax, jax.numpy as jnp
-from jaxspec.loading import Model
-from jaxspec.shapes import random_weights, shape_config, step_weight_bytes
-from jaxspec.bench_scale import forward_ms
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.scale import forward_ms
+from jaxspec.bench.shapes import random_weights, shape_config, step_weight_bytes
+from jaxspec.model.loading import Model
+
 c = shape_config("llama3-8b")
 half = dataclasses.replace(c, num_heads=16, num_kv_heads=4, intermediate_size=c.intermediate_size // 2,
                            vocab_size=c.vocab_size // 2)

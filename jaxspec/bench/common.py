@@ -1,0 +1,26 @@
+"""What the benchmarks share: the machine a run was measured on, and prompts in groups."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import jax
+
+
+def machine() -> dict:
+    """CPU, devices and versions, recorded beside every benchmark's numbers."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu, "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()], "python": platform.python_version(),
+    }
+
+
+def groups(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

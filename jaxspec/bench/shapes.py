@@ -1,0 +1,157 @@
+"""Named real-model shapes with random weights made on the device, for benchmarks at real scale.
+
+Each shape is the HF `config.json` of a public model (sizes, RoPE, biases, tied embeddings), so
+the engine builds exactly the graph it would for the real checkpoint; only the weight values are
+random (normal, std 0.02; norms 1). EOS is switched off so every row decodes its full budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import InputError
+from jaxspec.model import layout
+from jaxspec.model.config import ModelConfig, config_from_hf
+from jaxspec.model.loading import Model
+from jaxspec.model.sharding import (
+    check_tensor_parallel,
+    make_mesh,
+    named,
+    serving_config,
+    spec,
+    split_axes,
+)
+from jaxspec.model.weights import (
+    LAYER_AXES,
+    SPLIT_MLP_AXES,
+    TOP_AXES,
+    LayerWeights,
+    Weights,
+    arrange_layers,
+    place,
+)
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def _llama3(hidden, inter, layers, heads, kv_heads, tied, rope_factor=8.0, head_dim=None):
+    return {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim or hidden // heads, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": rope_factor}, "max_position_embeddings": 131072,
+        "tie_word_embeddings": tied,
+    }
+
+
+def _qwen25(vocab, hidden, inter, layers, heads, kv_heads, tied):
+    return {
+        "model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": tied,
+    }
+
+
+SHAPES = {
+    "llama3-8b": _llama3(4096, 14336, 32, 32, 8, tied=False),
+    "llama3.2-1b": _llama3(2048, 8192, 16, 32, 8, tied=True, rope_factor=32.0, head_dim=64),
+    "llama3.2-3b": _llama3(3072, 8192, 28, 24, 8, tied=True, rope_factor=32.0, head_dim=128),
+    "llama3-70b": _llama3(8192, 28672, 80, 64, 8, tied=False),
+    "qwen2.5-7b": _qwen25(152064, 3584, 18944, 28, 28, 4, tied=False),
+    "qwen2.5-0.5b": _qwen25(151936, 896, 4864, 24, 14, 2, tied=True),
+    # For tests of the benchmark itself: a Llama of a few hundred thousand parameters.
+    "tiny": _llama3(64, 128, 2, 4, 2, tied=False) | {"vocab_size": 512, "max_position_embeddings": 4096},
+}
+
+
+def shape_config(name: str) -> ModelConfig:
+    if name not in SHAPES:
+        raise InputError(f"shape {name!r} is unknown; named shapes: {', '.join(SHAPES)}")
+    return dataclasses.replace(config_from_hf(SHAPES[name]), eos_token_ids=(), bos_token_id=None)
+
+
+def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
+    """The shapes of one layer's LayerWeights fields that this config uses (a tuple of shapes for
+    gate/up kept apart: mlp=False, see model.fuse_mlp)."""
+    d, f, h, n, k, g = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.queries_per_kv
+    shapes = {"attn_norm": (d,), "wqkv": (d, n, g + 2, k), "wo": (h, k, d), "mlp_norm": (d,),
+              "w_gate_up": (d, 2, f) if mlp else ((d, f), (d, f)), "w_down": (f, d)}
+    if c.qkv_bias:
+        shapes["bqkv"] = (n, g + 2, k)
+    if c.o_bias:
+        shapes["bo"] = (d,)
+    if c.qk_norm:
+        shapes |= {"q_norm": (k,), "k_norm": (k,)}
+    if c.mlp_bias:
+        shapes |= {"b_gate_up": (2, f) if mlp else ((f,), (f,)), "b_down": (d,)}
+    return shapes
+
+
+@functools.lru_cache(maxsize=None)
+def _maker(shape: tuple, dtype, norm: bool, sharding):
+    """A jitted maker of one random array, written straight into its shards (a 70B model does not
+    fit one device)."""
+    def make(key):
+        if norm:
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.jit(make) if sharding is None else jax.jit(make, out_shardings=sharding)
+
+
+def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None) -> Weights:
+    """Weights of config c (the serving config: kv heads already repeated for mesh), made on the
+    default device, or split over `mesh`, one array at a time (no host copy)."""
+    key = jax.random.PRNGKey(seed)
+    tp = 1 if mesh is None else mesh.size
+
+    def make(shape, axes, norm=False):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return _maker(shape, jnp.dtype(dtype), norm, named(mesh, spec(split_axes(axes, c, tp))))(sub)
+
+    mlp = layout.fuse_mlp()
+
+    def layer():
+        out = {}
+        for name, shape in layer_shapes(c, mlp).items():
+            if isinstance(shape[0], tuple):  # gate and up apart
+                out[name] = tuple(make(s, SPLIT_MLP_AXES[name]) for s in shape)
+            else:
+                out[name] = make(shape, LAYER_AXES[name], norm=name.endswith("norm"))
+        return LayerWeights(**out)
+
+    layers = arrange_layers(tuple(layer() for _ in range(c.num_layers)))
+    d, v = c.hidden_size, c.vocab_size
+    top = TOP_AXES
+    head = None if c.tie_word_embeddings else make((d, v), top["lm_head"])
+    weights = Weights(embed=make((v, d), top["embed"]), layers=layers, final_norm=make((d,), top["final_norm"], norm=True),
+                      lm_head=head)
+    return place(weights, c, mesh)
+
+
+def random_model(name: str, dtype="bfloat16", seed: int = 0, tensor_parallel: int = 1) -> Model:
+    """A named shape with random weights, split over tensor_parallel devices."""
+    config = shape_config(name)
+    tp = check_tensor_parallel(config, tensor_parallel, name)
+    config = serving_config(config, tp)
+    mesh = make_mesh(tp) if tp > 1 else None
+    dtype = jnp.dtype(dtype)
+    return Model(config, random_weights(config, dtype, seed, mesh), None, name, Path(name), dtype, mesh)
+
+
+def weight_bytes(weights: Weights) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(weights))
+
+
+def step_weight_bytes(model: Model) -> int:
+    """Weight bytes one decode step must read on each device: all, less an untied embedding table
+    (a gather reads only the rows of the step's tokens), over the devices that split them."""
+    untied_embed = 0 if model.config.tie_word_embeddings else model.weights.embed.nbytes
+    return (weight_bytes(model.weights) - untied_embed) // model.tensor_parallel

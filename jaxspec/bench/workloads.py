@@ -1,0 +1,35 @@
+"""Benchmark workloads: chat-like budget mixes and the repository's HumanEval prompts as a batch job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxspec.bench.humaneval import load_prompts
+from jaxspec.errors import InputError
+
+
+def lognormal_budgets(n: int, median: float = 200, sigma: float = 0.8, cap: int = 1024, seed: int = 0) -> list[int]:
+    """Chat-like answer lengths: n draws of a fixed-seed lognormal (this median and sigma), in [1, cap]."""
+    draws = np.random.default_rng(seed).lognormal(np.log(median), sigma, n)
+    return [int(x) for x in np.clip(np.ceil(draws), 1, cap)]
+
+
+def write_humaneval_jsonl(path: str | Path, limit: int | None = None, lognormal: dict | bool | None = None) -> Path:
+    """Writes the repository's HumanEval prompts as a batch input ({"id": "HumanEval/i", "prompt"}).
+    lognormal: True (or lognormal_budgets' keywords) gives each record its own "max_new_tokens",
+    drawn from that fixed-seed mix: a job whose records end at very different lengths."""
+    path = Path(path)
+    if path.exists():
+        raise InputError(f"{path} already exists; not overwriting it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(limit=limit)
+    records = [{"id": f"HumanEval/{i}", "prompt": p} for i, p in enumerate(prompts)]
+    if lognormal:
+        for r, budget in zip(records, lognormal_budgets(len(records), **(lognormal if isinstance(lognormal, dict) else {}))):
+            r["max_new_tokens"] = budget
+    lines = [json.dumps(r) for r in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

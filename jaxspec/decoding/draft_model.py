@@ -1,0 +1,143 @@
+"""A draft model as drafter: a chain of K single-token steps, or a static tree expanded level by
+level, with its own KV cache that follows the committed path.
+
+The draft cache mirrors the target's: with n committed tokens it holds s[0..n-1) and s[n-1] is
+pending. Each round re-reads [s[n-2], s[n-1]] (rewriting slot n-2 with identical K/V fills the
+one hole left when the previous round accepted every draft, which the draft never ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decoding.drafting import Round
+from jaxspec.decoding.sampling import SamplingParams, filtered_logits
+from jaxspec.decoding.state import prefill
+from jaxspec.decoding.tree_verify import TreePlan, move_path
+from jaxspec.decoding.trees import Tree, ancestor_mask, chain
+from jaxspec.model.cache import KVCache
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import forward
+from jaxspec.model.weights import Weights
+
+
+def _pick(logits: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool):
+    """Draft choice at one position: ([b] tokens, [b, v] distribution drawn from, or None)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy, None
+    filtered = filtered_logits(logits, sampling)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    is_greedy = sampling.temperature == 0
+    token = jnp.where(is_greedy, greedy, drawn)
+    one_hot = jax.nn.one_hot(greedy, logits.shape[-1], dtype=jnp.float32)
+    q = jnp.where(is_greedy[:, None], one_hot, jax.nn.softmax(filtered, axis=-1))
+    return token, q
+
+
+def draft_chain(
+    weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray,
+    prev: jnp.ndarray, last: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray,
+    greedy_only: bool, attention: str = "xla",
+):
+    """Proposes K tokens per row (K = keys.shape[1]); returns (tokens [b, K], q [b, K, v] or
+    None, cache)."""
+    cache = cache.replace(lengths=n - 2)
+    at_last = jnp.ones(n.shape, jnp.int32)  # logits of `last` only
+    logits, cache = forward(weights, config, jnp.stack([prev, last], axis=1), cache, attention=attention,
+                            logits_at=at_last)
+    token, q = _pick(logits[:, 0], sampling, keys[:, 0], greedy_only)
+    cache = cache.replace(lengths=n)
+
+    def step(carry, step_keys):
+        cache, token = carry
+        logits, cache = forward(weights, config, token[:, None], cache, attention=attention)
+        cache = cache.replace(lengths=cache.lengths + 1)
+        token, q = _pick(logits[:, 0], sampling, step_keys, greedy_only)
+        return (cache, token), (token, q)
+
+    (cache, _), (tokens, qs) = jax.lax.scan(step, (cache, token), jnp.moveaxis(keys[:, 1:], 1, 0))
+    tokens = jnp.concatenate([token[:, None], jnp.moveaxis(tokens, 0, 1)], axis=1)
+    if q is not None:
+        q = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    return tokens, q, cache
+
+
+def draft_tree(
+    weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray, prev: jnp.ndarray,
+    last: jnp.ndarray, plan: TreePlan, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool,
+    attention: str = "xla",
+):
+    """Fills the tree level by level: the top-k children of each node by draft probability
+    (greedy), or i.i.d. draws from the draft distribution (sampling). Each pass re-reads
+    [s[n-2], tree nodes] (the first entry fills the draft cache's possible hole, as in chain
+    drafting) under the ancestor mask, and rewrites all of their cache slots, so each level
+    takes the cache the last one left (handing every level the round's first cache made XLA
+    copy it per layer and level). keys [b, t-1, 2]: one per node 1..t-1.
+
+    Returns (tokens [b, t] with tokens[:, 0] = last, q [b, t-1, v] the draft distribution node
+    i was drawn from at q[:, i-1] (None when greedy_only), cache)."""
+    b, t = last.shape[0], plan.size
+    mask = np.zeros((t + 1, t + 1), bool)
+    mask[:, 0] = True
+    mask[1:, 1:] = ancestor_mask(plan.parents)
+    positions = jnp.concatenate(
+        [(n - 2)[:, None], (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]], axis=1
+    )
+    tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(last)
+    q_all = None if greedy_only else jnp.zeros((b, t - 1, config.vocab_size), jnp.float32)
+    cache = cache.replace(lengths=n - 2)
+    for d in range(1, plan.max_depth + 1):
+        nodes = plan.level(d)
+        # The head and top_k run only at this level's parents (a few rows of a 128K vocabulary).
+        parents = np.unique(np.asarray(plan.parents)[nodes])
+        logits, cache = forward(
+            weights, config, jnp.concatenate([prev[:, None], tokens], axis=1), cache, positions, jnp.asarray(mask),
+            attention=attention, logits_at=jnp.broadcast_to(jnp.asarray(1 + parents, jnp.int32), (b, parents.size)),
+        )  # [b, parents, v]
+        of_node = np.searchsorted(parents, np.asarray(plan.parents)[nodes])  # each node's parent row
+        parent_logits = logits[:, of_node]  # [b, m, v]
+        top = jax.lax.top_k(logits, plan.max_children)[1][:, of_node]  # [b, m, c]
+        ranks = jnp.asarray(np.asarray(plan.rank)[nodes])
+        greedy = jnp.take_along_axis(top, ranks[None, :, None], axis=2)[..., 0].astype(jnp.int32)
+        if greedy_only:
+            chosen = greedy
+        else:
+            filtered = filtered_logits(parent_logits, sampling)
+            node_keys = keys[:, nodes - 1]  # [b, m, 2]
+            drawn = jax.vmap(jax.vmap(jax.random.categorical))(node_keys, filtered).astype(jnp.int32)
+            chosen = jnp.where((sampling.temperature > 0)[:, None], drawn, greedy)
+            q_all = q_all.at[:, nodes - 1].set(jax.nn.softmax(filtered, axis=-1))
+        tokens = tokens.at[:, nodes].set(chosen)
+    return tokens, q_all, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """A draft model sharing the target's vocabulary; params are its Weights."""
+
+    config: ModelConfig
+    tree: Tree
+
+    @property
+    def is_chain(self) -> bool:
+        return self.tree == chain(len(self.tree) - 1)
+
+    def init(self, weights: Weights, batch, capacity: int, max_out: int, first: jnp.ndarray) -> KVCache:
+        return prefill(weights, self.config, batch, capacity, weights.embed.dtype)[1]
+
+    def propose(self, weights: Weights, cache: KVCache, r: Round):
+        if self.is_chain:
+            drafts, q, cache = draft_chain(weights, self.config, cache, r.n, r.prev, r.last, r.sampling, r.keys,
+                                           r.greedy_only, r.attention)
+            return jnp.concatenate([r.last[:, None], drafts], axis=1), q, cache
+        return draft_tree(weights, self.config, cache, r.n, r.prev, r.last, TreePlan.of(self.tree), r.sampling,
+                          r.keys, r.greedy_only, r.attention)
+
+    def commit(self, weights: Weights, cache: KVCache, r: Round, path, emitted, kept) -> KVCache:
+        # A chain's accepted drafts already sit in place; a tree's path moves there.
+        return cache if self.is_chain else move_path(cache, r.n - 1, path)

@@ -1,0 +1,55 @@
+"""The drafter protocol: what the speculative loop asks of anything that proposes tokens.
+
+A drafter is a frozen (hashable, static) object holding its settings and the static tree it
+fills each round; its array state (a draft model's KV cache, an n-gram history) is a pytree
+that rides in the loop state. The loop calls, with `params` the drafter's arrays (a draft
+model's weights; None for drafters without any):
+
+    state = drafter.init(params, batch, capacity, max_out, first)
+    tokens, q, state = drafter.propose(params, state, round)
+    state = drafter.commit(params, state, round, path, emitted, kept)
+
+propose fills every node of `drafter.tree` (tokens [b, t], tokens[:, 0] = the last committed
+token) and says what each proposed node was drawn from: q [b, t-1, v], the distribution of
+node i at q[:, i-1], or None for point masses (deterministic proposals, as n-gram lookup's).
+The target verifies the tree, the loop commits the accepted path (path [b, D+1], node at each
+depth) and its tokens (emitted [b, D+1], the first kept[b] of them appended), and commit lets
+the drafter follow. Losslessness does not depend on the drafter: the acceptance rule is exact
+for any q.
+
+Drafters: jaxspec.draft_model.ModelDrafter (a draft model: chain or tree),
+jaxspec.ngram.NgramDrafter (prompt lookup).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.trees import Tree
+
+
+@struct.dataclass
+class Round:
+    """What a drafter knows at the start of a round, per row."""
+
+    n: jnp.ndarray  # [b] committed tokens (prompt included); s[n-1] is pending in every cache
+    prev: jnp.ndarray  # [b] s[n-2]
+    last: jnp.ndarray  # [b] s[n-1]
+    keys: jnp.ndarray  # [b, t-1, 2] one PRNG key per proposed node
+    sampling: SamplingParams
+    greedy_only: bool = struct.field(pytree_node=False)
+    attention: str = struct.field(pytree_node=False)
+
+
+class Drafter(Protocol):
+    tree: Tree  # static parents array of the nodes proposed each round
+
+    def init(self, params, batch, capacity: int, max_out: int, first: jnp.ndarray): ...
+
+    def propose(self, params, state, r: Round): ...
+
+    def commit(self, params, state, r: Round, path: jnp.ndarray, emitted: jnp.ndarray, kept: jnp.ndarray): ...

@@ -1,0 +1,77 @@
+"""Plain autoregressive decoding as a Loop (jaxspec.decoding.loop): prefill and the first token,
+then one token per step for every running row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.decoding.sampling import row_keys, sample_tokens
+from jaxspec.decoding.state import (
+    FINISH_PADDING,
+    RUNNING,
+    Batch,
+    commit_tokens,
+    prefill,
+)
+from jaxspec.model.cache import KVCache
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import forward
+from jaxspec.model.weights import Weights
+
+
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    last_token: jnp.ndarray  # [b] int32, sampled but not yet in the cache
+    out_tokens: jnp.ndarray  # [b, max_out] int32
+    num_generated: jnp.ndarray  # [b] int32
+    finish: jnp.ndarray  # [b] int32: RUNNING or a FINISH_* code
+
+
+def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> DecodeState:
+    """Appends one token to every running row."""
+    state, _ = commit_tokens(state, token[:, None], jnp.ones_like(token), batch, eos_ids)
+    return state.replace(last_token=token)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainLoop:
+    """The target alone, one token per step. params: unused (no drafter)."""
+
+    config: ModelConfig  # the target's
+    result_fields = ("out_tokens", "num_generated", "finish")
+    slack = 0  # cache slots a step writes past a row's committed tokens and budget
+
+    def start(self, weights: Weights, params, batch: Batch, capacity: int, max_out: int,
+              greedy_only: bool) -> DecodeState:
+        """Prefill and the first token: the loop state of a fresh batch (padding rows finished)."""
+        c = self.config
+        b = batch.tokens.shape[0]
+        logits, cache = prefill(weights, c, batch, capacity, weights.embed.dtype)
+        zeros = jnp.zeros((b,), jnp.int32)
+        state = DecodeState(
+            cache=cache,
+            last_token=zeros,
+            out_tokens=jnp.full((b, max_out), c.pad_token_id, jnp.int32),
+            num_generated=zeros,
+            finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+        )
+        first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+        return _record(state, first, batch, c.eos_token_ids)
+
+    def fits(self, s: DecodeState, batch: Batch) -> jnp.ndarray:
+        """[b]: a step has room in the cache (running rows only matter)."""
+        return s.cache.lengths + 1 <= s.cache.capacity
+
+    def step(self, weights: Weights, params, batch: Batch, s: DecodeState, greedy_only: bool,
+             attention: str) -> DecodeState:
+        """One token for every running row."""
+        running = s.finish == RUNNING
+        logits, cache = forward(weights, self.config, s.last_token[:, None], s.cache, attention=attention)
+        cache = cache.replace(lengths=cache.lengths + running)
+        keys = row_keys(batch.seeds, s.num_generated)
+        token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)
+        return _record(s.replace(cache=cache), token, batch, self.config.eos_token_ids)

@@ -1,0 +1,47 @@
+"""The continuous scheduler's graphs besides `loop.advance`: empty slots, prefill-and-insert of new
+requests into freed slots (JetStream's prefill / insert split), and the gather of finished rows."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decoding.state import Batch
+from jaxspec.model.cache import KVCache
+
+
+def insert_rows(big, new, slots: jnp.ndarray):
+    """`big` (a loop state or Batch over all slots) with rows `slots` [n] replaced by `new`'s n
+    rows; caches row by row in their own layout, scalars kept; a slot index past the end drops."""
+    def put(b, n):
+        if isinstance(b, KVCache):
+            return b.insert(n, slots)
+        return b if b.ndim == 0 else b.at[slots].set(n, mode="drop")
+    return jax.tree.map(put, big, new, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def _slot_batch(batch: Batch) -> Batch:
+    """The loop reads no prompt tokens (prefill did): slots keep a [b, 1] stand-in."""
+    return batch.replace(tokens=jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only"))
+def begin(weights, params, batch, *, loop, capacity, max_out, greedy_only):
+    """Every slot empty (a batch of padding rows)."""
+    return loop.start(weights, params, batch, capacity, max_out, greedy_only), _slot_batch(batch)
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only"),
+                   donate_argnames=("state", "slots_batch"))
+def admit(weights, params, state, slots_batch, new_batch, slots, *, loop, capacity, max_out, greedy_only):
+    """Prefills new_batch's rows and puts them into `slots` (past the end: padding, dropped)."""
+    new = loop.start(weights, params, new_batch, capacity, max_out, greedy_only)
+    return insert_rows(state, new, slots), insert_rows(slots_batch, _slot_batch(new_batch), slots)
+
+
+@jax.jit
+def take_rows(fields: dict, rows: jnp.ndarray) -> dict:
+    """Rows `rows` of each field, as new arrays (rows has a fixed length: one graph per job)."""
+    return {f: a[rows] for f, a in fields.items()}

@@ -1,0 +1,179 @@
+"""Speculative decoding: propose -> verify -> accept -> commit, all inside one jitted while_loop.
+
+Per row, with n committed tokens s[0..n): the target cache holds s[0..n-1) (length n - 1) and
+s[n-1] is pending. Each round:
+  1. the drafter (jaxspec.decoding.drafting: a draft model's chain or tree, n-gram lookup) fills its
+     static tree, node 0 = s[n-1];
+  2. the target scores every node in one forward pass (a chain causally; a tree with positions
+     = depth and the ancestor mask);
+  3. the longest accepted path plus one target token is committed (cut at EOS /
+     max_new_tokens), the target cache keeps exactly that path (a tree's nodes move into
+     place), and the drafter follows; rejected entries are overwritten next round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.decoding.acceptance import accept_greedy, accept_sampling
+from jaxspec.decoding.drafting import Drafter, Round
+from jaxspec.decoding.sampling import (
+    SamplingParams,
+    filtered_logits,
+    row_keys,
+    sample_tokens,
+)
+from jaxspec.decoding.state import (
+    FINISH_PADDING,
+    RUNNING,
+    Batch,
+    commit_tokens,
+    prefill,
+)
+from jaxspec.decoding.tree_verify import (
+    TreePlan,
+    accept_tree_greedy,
+    accept_tree_sampling,
+    move_path,
+    path_to,
+)
+from jaxspec.decoding.trees import ancestor_mask, chain
+from jaxspec.model.cache import KVCache
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import forward
+from jaxspec.model.weights import Weights
+
+
+@struct.dataclass
+class SpecState:
+    target_cache: KVCache
+    draft: object  # the drafter's state pytree
+    prev_token: jnp.ndarray  # [b] s[n-2]
+    last_token: jnp.ndarray  # [b] s[n-1], pending in the target cache
+    out_tokens: jnp.ndarray  # [b, max_out]
+    num_generated: jnp.ndarray  # [b]
+    finish: jnp.ndarray  # [b]
+    rounds: jnp.ndarray  # [b] target verify passes while the row was running
+    accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
+
+
+def _target_distribution(logits: jnp.ndarray, sampling: SamplingParams) -> jnp.ndarray:
+    """[b, t, v]: the filtered sampling distribution, one-hot argmax for greedy rows."""
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+    p = jax.nn.softmax(filtered_logits(logits, sampling), axis=-1)
+    return jnp.where((sampling.temperature == 0)[:, None, None], one_hot, p)
+
+
+def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache, tokens, q, n, keys,
+           sampling: SamplingParams, greedy_only: bool, attention: str):
+    """The target's pass over the proposed nodes and the lossless acceptance.
+    tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
+    -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place)."""
+    t, D = plan.size, plan.max_depth
+    is_chain = plan.parents == chain(t - 1)
+    cache = cache.replace(lengths=n - 1)
+    if is_chain:
+        logits, cache = forward(weights, config, tokens, cache, attention=attention)
+    else:
+        positions = (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]
+        logits, cache = forward(weights, config, tokens, cache, positions, jnp.asarray(ancestor_mask(plan.parents)),
+                                attention=attention)
+    uniforms = None if greedy_only else jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, : t - 1])
+    p = None if greedy_only else _target_distribution(logits, sampling)
+    if is_chain:
+        drafts = tokens[:, 1:]
+        if greedy_only:
+            accepted, next_token = accept_greedy(drafts, logits)
+        else:
+            accepted, next_token = accept_sampling(drafts, q, p, uniforms, keys[:, t - 1])
+        path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+    else:
+        accepted, next_token, best = accept_tree_greedy(plan, tokens, logits)
+        if not greedy_only:
+            sampled = accept_tree_sampling(plan, tokens, q, p, uniforms, keys[:, t - 1])
+            greedy_row = sampling.temperature == 0
+            accepted, next_token, best = (jnp.where(greedy_row, g, x) for g, x in zip((accepted, next_token, best), sampled))
+        path = path_to(plan, best)  # [b, D+1]
+        drafts = jnp.take_along_axis(tokens, path, axis=1)[:, 1:]
+        cache = move_path(cache, n - 1, path)
+    j = jnp.arange(D + 1)[None, :]
+    emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
+    return accepted, emitted, path, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeLoop:
+    """Propose -> verify -> accept -> commit rounds. params: the drafter's arrays (a draft model's
+    weights, or None)."""
+
+    config: ModelConfig  # the target's
+    drafter: Drafter
+    result_fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position")
+
+    @property
+    def slack(self) -> int:
+        """Cache slots past a row's budget: a round writes its tree's nodes past the committed length."""
+        return len(self.drafter.tree) + 1
+
+    def start(self, weights: Weights, params, batch: Batch, capacity: int, max_out: int,
+              greedy_only: bool) -> SpecState:
+        """Prefill and the first token (from the target's prefill, exactly as in plain decoding):
+        the loop state of a fresh batch (padding rows finished)."""
+        c = self.config
+        D = TreePlan.of(self.drafter.tree).max_depth
+        b = batch.tokens.shape[0]
+        logits, t_cache = prefill(weights, c, batch, capacity, weights.embed.dtype)
+        zeros = jnp.zeros((b,), jnp.int32)
+        first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+        state = SpecState(
+            target_cache=t_cache,
+            draft=self.drafter.init(params, batch, capacity, max_out, first),
+            prev_token=jnp.take_along_axis(batch.tokens, jnp.maximum(batch.prompt_lens - 1, 0)[:, None], 1)[:, 0],
+            last_token=first,
+            out_tokens=jnp.full((b, max_out), c.pad_token_id, jnp.int32),
+            num_generated=zeros,
+            finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+            rounds=zeros,
+            accepted_per_position=jnp.zeros((b, D), jnp.int32),
+        )
+        return commit_tokens(state, first[:, None], jnp.ones_like(first), batch, c.eos_token_ids)[0]
+
+    def fits(self, s: SpecState, batch: Batch) -> jnp.ndarray:
+        """[b]: a round has room (it writes the tree's t nodes at slots n - 1 .. n + t - 2)."""
+        return batch.prompt_lens + s.num_generated + len(self.drafter.tree) - 1 <= s.target_cache.capacity
+
+    def step(self, weights: Weights, params, batch: Batch, s: SpecState, greedy_only: bool,
+             attention: str) -> SpecState:
+        """One propose -> verify -> accept -> commit round for every running row."""
+        drafter, c = self.drafter, self.config
+        plan = TreePlan.of(drafter.tree)
+        t, D = plan.size, plan.max_depth
+        b = batch.prompt_lens.shape[0]
+        running = s.finish == RUNNING
+        n = batch.prompt_lens + s.num_generated  # committed tokens per row
+        # Per row and round: t - 1 keys for the drafter, t - 1 uniforms and one final draw.
+        keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
+        r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
+        tokens, q, draft = drafter.propose(params, s.draft, r)
+        accepted, emitted, path, t_cache = verify(weights, c, plan, s.target_cache, tokens, q, n,
+                                                  keys[:, t - 1 :], batch.sampling, greedy_only, attention)
+        s2, kept = commit_tokens(s, emitted, accepted + 1, batch, c.eos_token_ids)
+        draft = drafter.commit(params, draft, r, path, emitted, kept)
+        # The last two committed tokens seed the next round.
+        all_tokens = jnp.concatenate([s.last_token[:, None], emitted], axis=1)
+        rows = jnp.arange(b)
+        prev = jnp.where(kept > 0, all_tokens[rows, jnp.maximum(kept - 1, 0)], s.prev_token)
+        last = jnp.where(kept > 0, all_tokens[rows, kept], s.last_token)
+        at_depth = jnp.arange(D)[None, :] < accepted[:, None]
+        return s2.replace(
+            target_cache=t_cache,
+            draft=draft,
+            prev_token=prev,
+            last_token=last,
+            rounds=s.rounds + running,
+            accepted_per_position=s.accepted_per_position + (running[:, None] & at_depth),
+        )

@@ -1,0 +1,63 @@
+"""What every decode loop shares: the padded Batch of requests, the finish codes, the prefill
+and the commit of new tokens (cut at EOS and at each row's budget)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.model.cache import KVCache
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import forward
+from jaxspec.model.weights import Weights
+
+RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_PADDING = 0, 1, 2, 3
+FINISH_REASONS = {FINISH_EOS: "eos", FINISH_LENGTH: "length"}
+
+
+@struct.dataclass
+class Batch:
+    """A padded batch of requests; all arrays are [b] or [b, t]."""
+
+    tokens: jnp.ndarray  # [b, t] int32 prompts, right-padded
+    prompt_lens: jnp.ndarray  # [b] int32; 0 marks a padding row
+    max_new_tokens: jnp.ndarray  # [b] int32
+    sampling: SamplingParams
+    seeds: jnp.ndarray  # [b] uint32
+
+
+def is_eos(tokens: jnp.ndarray, eos_ids: tuple[int, ...]) -> jnp.ndarray:
+    hit = jnp.zeros(tokens.shape, bool)
+    for e in eos_ids:
+        hit |= tokens == e
+    return hit
+
+
+def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, dtype):
+    """Runs the prompts; returns (logits of each row's last prompt token [b, v], cache)."""
+    b = batch.tokens.shape[0]
+    cache = KVCache.create(config, b, capacity, dtype, stacked=not isinstance(weights.layers, tuple), mesh=weights.mesh)
+    logits, cache = forward(weights, config, batch.tokens, cache, logits_at=jnp.maximum(batch.prompt_lens - 1, 0))
+    return logits[:, 0], cache.replace(lengths=batch.prompt_lens)
+
+
+def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids):
+    """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS
+    and at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish updated,
+    tokens kept per row [b])."""
+    running = state.finish == RUNNING
+    j = jnp.arange(new.shape[1])[None, :]
+    eos_hit = (j < count[:, None]) & is_eos(new, eos_ids)
+    has_eos = jnp.any(eos_hit, axis=1)
+    first_eos = jnp.argmax(eos_hit, axis=1)
+    kept = jnp.where(has_eos, first_eos + 1, count)
+    kept = jnp.where(running, jnp.minimum(kept, batch.max_new_tokens - state.num_generated), 0)
+    rows = jnp.arange(new.shape[0])[:, None]
+    # Positions past `kept` point outside the buffer and are dropped.
+    idx = jnp.where(j < kept[:, None], state.num_generated[:, None] + j, state.out_tokens.shape[1])
+    out = state.out_tokens.at[rows, idx].set(new, mode="drop")
+    n = state.num_generated + kept
+    finish = jnp.where(running & has_eos & (first_eos < kept), FINISH_EOS, state.finish)
+    finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
+    return state.replace(out_tokens=out, num_generated=n, finish=finish), kept

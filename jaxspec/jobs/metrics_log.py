@@ -1,0 +1,78 @@
+"""Observability for long jobs: a JSON-lines metrics log and the low-acceptance warning.
+
+Each line of the log is one event (`"event": "batch"`, `"canary"`, `"decision"`, `"summary"`)
+carrying the same identifying fields (run id, model id, draft id, method, K), so a log shared by
+many runs can be filtered and plotted with any JSON tool. The log is only ever appended to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from jaxspec.serving.warnings import low_acceptance_message
+
+log = logging.getLogger("jaxspec")
+
+
+class AcceptanceWatch:
+    """Running acceptance of a job; warns once each time it falls below the threshold.
+
+    Warning on every low batch would bury the message in a long job, so it fires when the
+    running rate crosses below `threshold`, and again only after it has recovered by
+    `hysteresis` and fallen again (a rate hovering at the threshold warns once).
+    """
+
+    hysteresis = 0.05
+
+    def __init__(self, threshold: float, draft_name: str, target_name: str):
+        self.threshold = threshold
+        self.draft_name, self.target_name = draft_name, target_name
+        self.accepted = self.drafted = 0
+        self.below = False
+        self.warnings = 0
+        self.note = ""  # appended to the warning, e.g. what the canary measured
+
+    @property
+    def rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def update(self, accepted: int, drafted: int) -> bool:
+        """Adds a batch; returns True when the running rate is below the threshold."""
+        self.accepted += accepted
+        self.drafted += drafted
+        rate = self.rate
+        low = rate is not None and rate < self.threshold
+        if low and not self.below:
+            log.warning(low_acceptance_message(rate, self.threshold, self.draft_name, self.target_name, self.note))
+            self.warnings += 1
+            self.below = True
+        elif rate is not None and rate >= self.threshold + self.hysteresis:
+            self.below = False
+        return low
+
+
+class MetricsLog:
+    """Appends one JSON object per event to `path` (None: a log that writes nothing)."""
+
+    def __init__(self, path: str | Path | None, **common):
+        self.path = Path(path) if path is not None else None
+        self.common = {"run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", **common}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, event: str, **fields) -> dict:
+        entry = {"time": round(time.time(), 3), "event": event, **self.common, **fields}
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        return entry
+
+
+def read_log(path: str | Path) -> list[dict]:
+    """Every event of a metrics log, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,106 @@
+"""Batch-job output: the crash-safe writer (whole chunks, flushed and fsynced, under a lock),
+resume (a torn final line cut, the ids already written read back) and the output lines."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from jaxspec.jobs.records import MAX_LISTED_DUPLICATES, BatchError, Record
+
+
+def repair_tail(path: Path) -> int:
+    """Truncates a torn final line (a write cut short by a kill); returns the bytes removed."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        keep = size
+        while keep > 0:
+            start = max(0, keep - 65536)
+            f.seek(start)
+            block = f.read(keep - start)
+            if keep == size and block.endswith(b"\n"):
+                return 0
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            keep = start
+        if keep < size:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        return size - keep
+
+
+def read_output(path: Path) -> list[dict]:
+    """The records already in an output file; refuses a file a batch job did not write."""
+    out = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = None
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise BatchError(f"{path} line {n} is not a batch output record; refusing to append to this file")
+            out.append(obj)
+    return out
+
+
+def check_output_unique(records: list[dict], path: Path) -> None:
+    seen: set[str] = set()
+    dups = sorted({str(r["id"]) for r in records if str(r["id"]) in seen or seen.add(str(r["id"]))})
+    if dups:
+        raise BatchError(f"{path} already holds id(s) more than once: {', '.join(map(repr, dups[:MAX_LISTED_DUPLICATES]))}")
+
+
+class ChunkWriter:
+    """Appends whole chunks of lines: one write, flushed and fsynced, so a crash loses at most the
+    chunk in flight. Holds an exclusive lock so two jobs never append to one file."""
+
+    def __init__(self, path: Path):
+        new = not path.exists()
+        self.f = open(path, "ab")
+        try:
+            import fcntl
+
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # no fcntl (Windows): no lock
+            pass
+        except OSError:
+            self.f.close()
+            raise BatchError(f"another job is writing {path}; wait for it or use another output file") from None
+        if new:  # make the new file's directory entry durable too
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def write(self, lines: list[dict]) -> None:
+        if lines:
+            self.f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8"))
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _head(record: Record) -> dict:
+    head = {"id": record.id, "line": record.line}
+    if record.prompt_version is not None:
+        head["prompt_version"] = record.prompt_version
+    return head
+
+
+def error_line(record: Record) -> dict:
+    return {**_head(record), "error": record.error}
+
+
+def ok_line(record: Record, completion, method: str) -> dict:
+    return {
+        **_head(record), "text": completion.text, "token_ids": completion.token_ids,
+        "finish_reason": completion.finish_reason, "method": method, "stats": completion.stats.as_dict(),
+    }

@@ -1,0 +1,131 @@
+"""Batch-job input: reading each line into a Record, refusing duplicate ids, and building each
+record's Request (its own settings over the job's defaults; errors name the field)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from jaxspec.errors import InputError, JaxspecError
+from jaxspec.jobs.settings import JobDefaults
+from jaxspec.model.loading import Model
+from jaxspec.serving.requests import (
+    Request,
+    SamplingSettings,
+    check_max_new_tokens,
+    check_seed,
+    check_token_ids,
+    encode_prompt,
+)
+
+SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+MAX_LISTED_DUPLICATES = 20
+
+
+class BatchError(JaxspecError):
+    """The job cannot start: duplicate input ids, or an output file it did not write."""
+
+
+@dataclasses.dataclass
+class Record:
+    line: int  # 1-based line number in the input
+    key: str  # the id as compared for duplicates and resume (1 and "1" are the same id)
+    id: object  # the id as written back
+    data: dict | None  # the parsed object; None when the line could not be read
+    error: str | None = None
+    request: Request | None = None
+
+    @property
+    def prompt_version(self):
+        v = self.data.get("prompt_version") if self.data else None
+        return v if isinstance(v, str) else None
+
+
+def parse_line(raw: bytes, line: int) -> Record:
+    """One input line -> Record; a line that is not an object with a valid id gets id "line:N"."""
+    unnamed = f"line:{line}"
+
+    def bad(message: str) -> Record:
+        return Record(line, unnamed, unnamed, None, message)
+
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return bad(f"line {line} is not valid UTF-8 ({e.reason} at byte {e.start})")
+    except json.JSONDecodeError as e:
+        return bad(f"line {line} is not valid JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+        return bad(f"line {line} is a JSON {type(obj).__name__}, not an object")
+    rid = obj.get("id")
+    if rid is None:
+        return Record(line, unnamed, unnamed, obj, 'id is missing: each record needs an "id" (a string or an integer)')
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+        return Record(line, unnamed, unnamed, obj, f"id must be a non-empty string or an integer; got {rid!r}")
+    return Record(line, str(rid), rid, obj)
+
+
+def read_input(path: Path) -> list[Record]:
+    with open(path, "rb") as f:
+        return [parse_line(raw, n) for n, raw in enumerate(f, 1) if raw.strip()]
+
+
+def check_unique(records: list[Record], path: Path) -> None:
+    """Duplicate ids make "each id exactly once" impossible: refuse before doing any work."""
+    lines: dict[str, list[int]] = {}
+    for r in records:
+        lines.setdefault(r.key, []).append(r.line)
+    dups = [(k, v) for k, v in lines.items() if len(v) > 1]
+    if dups:
+        listed = "; ".join(f"{k!r} on lines {', '.join(map(str, v))}" for k, v in dups[:MAX_LISTED_DUPLICATES])
+        more = f"; and {len(dups) - MAX_LISTED_DUPLICATES} more" if len(dups) > MAX_LISTED_DUPLICATES else ""
+        raise BatchError(f"{path}: {len(dups)} duplicate id(s), each id must appear once: {listed}{more}")
+
+
+def render_messages(messages, tokenizer, model_name: str) -> list[int]:
+    """A chat, rendered with the tokenizer's chat template (with the assistant turn opened)."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f'messages[{i}] must be an object with string "role" and "content"')
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            f"messages need a chat template but the tokenizer of {model_name!r} has none; give a \"prompt\" instead"
+        )
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # template errors (e.g. roles out of order) are the record's fault
+        raise InputError(f"messages could not be rendered with the chat template: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+
+
+def build_request(data: dict, target: Model, defaults: JobDefaults) -> Request:
+    """A record's Request, its own settings overriding the job's; InputError names the field."""
+    if "prompt" in data and "messages" in data:
+        raise InputError('give either "prompt" or "messages", not both')
+    if "messages" in data:
+        prompt = render_messages(data["messages"], target.tokenizer, target.name)
+    elif "prompt" in data:
+        prompt = data["prompt"]
+    else:
+        raise InputError('prompt is missing: each record needs a "prompt" (text) or "messages" (a chat)')
+    if "prompt_version" in data and not isinstance(data["prompt_version"], str):
+        raise InputError(f"prompt_version must be a string; got {data['prompt_version']!r}")
+    s = {f: data.get(f, getattr(defaults, f)) for f in SETTING_FIELDS}
+    max_new = check_max_new_tokens(s["max_new_tokens"])
+    sampling = SamplingSettings(s["temperature"], s["top_k"], s["top_p"])
+    seed = check_seed(s["seed"])
+    c = target.config
+    ids = check_token_ids(encode_prompt(prompt, target.tokenizer, "prompt"), c.vocab_size,
+                          c.max_position_embeddings, max_new, "prompt")
+    return Request(ids, max_new, sampling, seed)
+
+
+def prepare(record: Record, target: Model, defaults: JobDefaults) -> Record:
+    if record.error is None:
+        try:
+            record.request = build_request(record.data, target, defaults)
+        except InputError as e:
+            record.error = str(e)
+    return record

@@ -1,0 +1,204 @@
+"""Checkpoint I/O: Hugging Face safetensors in, the engine's Orbax checkpoint out, and loading.
+
+A converted checkpoint is a folder holding `jaxspec.json` (format marker), the HF `config.json`
+and tokenizer files, and `weights/` (Orbax, one array per weight in the engine's layout, layers
+stacked). Only safetensors are ever read: never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxspec.errors import CheckpointError
+from jaxspec.model.config import ModelConfig, load_config
+from jaxspec.model.weights import ParamSpec, param_specs
+
+FORMAT = "jaxspec-orbax-v1"
+MARKER = "jaxspec.json"
+# Files copied beside the weights so a converted checkpoint is self-contained.
+SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+)
+# Buffers some exporters save that are not parameters (recomputed from the config).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _safetensors_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is corrupt: {e}") from None
+        files = [hf_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} listed in {index.name} is missing from {hf_dir}")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt"))
+        hint = f" (found {', '.join(pickles)}: pickle files are never loaded; convert them to safetensors)" if pickles else ""
+        raise CheckpointError(f"no *.safetensors files in {hf_dir}{hint}")
+    return files
+
+
+def _open_all(files: list[Path]) -> dict[str, tuple[Path, object]]:
+    """tensor name -> (file, open handle)."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[Path, object]] = {}
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="flax")
+            names = list(handle.keys())
+        except Exception as e:  # safetensors raises several types for a damaged header
+            raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
+        for name in names:
+            if name in found:
+                raise CheckpointError(f"tensor {name} appears in both {found[name][0].name} and {path.name}")
+            found[name] = (path, handle)
+    return found
+
+
+def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
+    """HF tensor name -> (spec, layer index or None)."""
+    out: dict[str, tuple[ParamSpec, int | None]] = {}
+    for spec in param_specs(config):
+        if spec.per_layer:
+            for i in range(config.num_layers):
+                out[spec.hf_name.format(i=i)] = (spec, i)
+        else:
+            out[spec.hf_name] = (spec, None)
+    return out
+
+
+def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
+    """Reads and validates a HF safetensors checkpoint; returns engine-layout fields in `dtype`
+    (None: the source's).
+
+    Every tensor's name and shape is checked against what the config implies before any data is
+    read; the error names the offending tensor and file.
+    """
+    hf_dir = Path(hf_dir)
+    found = _open_all(_safetensors_files(hf_dir))
+    expected = _expected(config)
+    tied_head = config.tie_word_embeddings and "lm_head.weight" in found
+    unexpected = [
+        n for n in found
+        if n not in expected and not n.endswith(IGNORED_SUFFIXES) and not (tied_head and n == "lm_head.weight")
+    ]
+    if unexpected:
+        raise CheckpointError(
+            f"unexpected tensor(s) for model_type {config.model_type!r}: {', '.join(sorted(unexpected)[:5])}"
+            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        )
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise CheckpointError(
+            f"missing tensor(s) in {hf_dir}: {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    for name, (spec, _) in expected.items():
+        path, handle = found[name]
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != spec.hf_shape:
+            raise CheckpointError(
+                f"tensor {name} in {path.name} has shape {shape}; the config implies {spec.hf_shape}"
+            )
+
+    # Each field is allocated once, stacked over layers, and filled tensor by tensor (cast on the
+    # way in): a checkpoint of many shards never sits in host memory twice.
+    fields: dict[str, np.ndarray] = {}
+    for name, (spec, layer) in expected.items():
+        path, handle = found[name]
+        try:
+            arr = np.asarray(handle.get_tensor(name))
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from None
+        if spec.transpose:
+            arr = arr.T
+        arr = arr.reshape(spec.shape)
+        if spec.field not in fields:
+            shape = ((config.num_layers,) if layer is not None else ()) + spec.shape
+            fields[spec.field] = np.empty(shape, np.dtype(dtype) if dtype is not None else arr.dtype)
+        if layer is None:
+            fields[spec.field][...] = arr
+        else:
+            fields[spec.field][layer] = arr
+        del arr
+    return fields
+
+
+def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None) -> dict[str, jax.ShapeDtypeStruct]:
+    out = {}
+    for spec in param_specs(config):
+        shape = ((config.num_layers,) if spec.per_layer else ()) + spec.shape
+        sharding = None if shardings is None else shardings[spec.field]
+        out[spec.field] = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+    return out
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_dir: str | Path) -> Path:
+    """Writes fields with Orbax plus the side files of source_dir; returns out_dir."""
+    out_dir = Path(out_dir).absolute()
+    source_dir = Path(source_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    dtypes = {str(a.dtype) for a in fields.values()}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"weights must share one dtype to be saved; got {sorted(dtypes)}")
+    ckptr = _checkpointer()
+    ckptr.save(out_dir / "weights", {k: np.ascontiguousarray(a) for k, a in fields.items()})
+    ckptr.wait_until_finished()
+    for name in SIDE_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, out_dir / name)
+    marker = {"format": FORMAT, "dtype": dtypes.pop(), "source": source_dir.name}
+    (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    return out_dir
+
+
+def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict | None = None) -> dict:
+    """field -> array: host arrays, or with `shardings` (field -> jax.sharding.Sharding) device
+    arrays restored straight into those shards (each host reads only its own devices' part)."""
+    ckpt_dir = Path(ckpt_dir).absolute()
+    try:
+        marker = json.loads((ckpt_dir / MARKER).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{ckpt_dir / MARKER} is missing or corrupt: {e}") from None
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt_dir / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings)
+    try:
+        restored = _checkpointer().restore(ckpt_dir / "weights", target)
+    except Exception as e:
+        raise CheckpointError(f"cannot restore Orbax weights from {ckpt_dir / 'weights'}: {e}") from None
+    return restored if shardings is not None else {k: np.asarray(v) for k, v in restored.items()}
+
+
+def is_converted(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """HF folder -> converted checkpoint folder; dtype None keeps the source dtype."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"HF checkpoint folder {hf_dir} does not exist")
+    config = load_config(hf_dir)
+    fields = read_hf_weights(hf_dir, config, None if dtype is None else jax.numpy.dtype(dtype))
+    return write_checkpoint(fields, hf_dir, out_dir)

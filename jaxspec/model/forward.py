@@ -1,0 +1,259 @@
+"""Llama-family decoder as pure JAX functions over a weights pytree: layers unrolled over separate
+arrays on accelerators, scanned over stacked ones on the CPU (see model.weights.Weights).
+
+Einsum legend: b batch, t query, s key slot, d model, h query heads, n kv heads, g queries per kv
+head, k head dim, f ffn, v vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxspec.model.cache import KVCache, cache_specs
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.rope import apply_rope, inverse_frequencies, rope_tables
+from jaxspec.model.sharding import TP, local_config
+from jaxspec.model.weights import LayerWeights, Weights, weight_specs
+from pallas_kernels.tree_attention import BLOCK_K, tree_attention
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    # As HF: normalise in float32, cast back to the activation dtype, then scale.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def _add(x: jnp.ndarray, bias: jnp.ndarray | None) -> jnp.ndarray:
+    return x if bias is None else x + bias
+
+
+def attention_mask(
+    cache_lengths: jnp.ndarray,  # [b]
+    positions: jnp.ndarray,  # [b, t]
+    capacity: int,
+    chunk_mask: jnp.ndarray,  # [t, t] bool: query i may see new token j
+    sliding_window: int | None,
+) -> jnp.ndarray:
+    """[b, t, s] bool: the committed prefix, plus the new tokens chunk_mask allows."""
+    slots = jnp.arange(capacity)
+    rel = slots[None, :] - cache_lengths[:, None]  # [b, s]: index into the new chunk
+    t = positions.shape[1]
+    in_prefix = rel < 0
+    in_chunk = (rel >= 0) & (rel < t)
+    rel_c = jnp.clip(rel, 0, t - 1)
+    chunk_allowed = jnp.moveaxis(chunk_mask[:, rel_c], 0, 1)  # [b, t, s]
+    mask = in_prefix[:, None, :] | (in_chunk[:, None, :] & chunk_allowed)
+    if sliding_window is not None:
+        key_pos = jnp.where(in_prefix, slots[None, :], jnp.take_along_axis(positions, rel_c, axis=1))
+        mask &= (positions[:, :, None] - key_pos[:, None, :]) < sliding_window
+    return mask
+
+
+ATTENTION_IMPLS = ("xla", "pallas")
+PALLAS_MAX_CHUNK = 64  # the fused kernel serves decode/verify chunks; prefill stays on XLA
+
+
+def _einsum(spec: str, a, b, **kwargs):
+    """jnp.einsum with IEEE float32 products for float32 operands on every backend: JAX's default
+    on NVIDIA GPUs is TF32, which put float32 logits 1.7e-3 off HF's on an H200 (torch keeps TF32
+    off for matmuls by default). Other dtypes keep the backend's default."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.einsum(spec, a, b, precision=precision, **kwargs)
+
+
+def _project(spec: str, x, w, pad_one_row: bool, **kwargs):
+    """A weight matmul of activations x [b, t, ...]. pad_one_row (the accelerators' layout): XLA's
+    GPU simplifier rewrites a vector-matrix product with a matrix under 10M elements into
+    multiply + reduce kernels, which ran the 1B draft's q/k/v and o projections far below the
+    memory bandwidth (a one-token pass took 1.24 ms against 1.01 ms for two, H200). A zero row
+    keeps a one-row product on the GEMM path; the barrier stops the simplifier from seeing
+    through it."""
+    if not (pad_one_row and x.shape[0] * x.shape[1] == 1):
+        return _einsum(spec, x, w, **kwargs)
+    padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))
+    return _einsum(spec, padded, w, **kwargs)[:, :1]
+
+
+def use_pallas(attention: str, config: ModelConfig, chunk: int, capacity: int) -> bool:
+    """Whether this forward runs the fused Pallas tree-attention kernel."""
+    return (
+        attention == "pallas" and config.sliding_window is None and chunk <= PALLAS_MAX_CHUNK
+        and capacity % BLOCK_K == 0
+    )
+
+
+def _xla_attention(c: ModelConfig, q, keys, values, mask):
+    b, t = q.shape[:2]
+    qg = q.reshape(b, t, c.num_kv_heads, c.queries_per_kv, c.head_dim)
+    scores = _einsum("btngk,bsnk->bngts", qg, keys, preferred_element_type=jnp.float32)
+    scores = scores * (c.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
+
+
+def _gate_up(h, w, bias, pad_one_row: bool):
+    """(gate, up) [b, t, f] from fused or separate weights (see fuse_mlp)."""
+    if isinstance(w, tuple):
+        return tuple(_add(_project("btd,df->btf", h, wi, pad_one_row), bi) for wi, bi in zip(w, bias or (None, None)))
+    gate_up = _add(_project("btd,dcf->btcf", h, w, pad_one_row), bias)
+    return gate_up[:, :, 0], gate_up[:, :, 1]
+
+
+def _write(cache, layer, rows, slots, new):
+    """Writes new [b, t, n, k] at slots (each row's are consecutive); -> (cache, this layer's
+    [b, s, n, k]). cache is one layer's array (layer None) or the stacked cache of a scan.
+
+    One row into a per-layer cache (the accelerators' layout) is a slice update: the scatter
+    (which drops writes out of bounds) cost XLA a second kernel per write on the GPU, to select
+    between new and old values. Every engine loop keeps a running row's writes inside the cache,
+    and one row stops its loop when it finishes. (In the CPU's scan a slice update of the stacked
+    cache made plain decoding 2x slower: it stays a scatter there.)"""
+    new = new.astype(cache.dtype)
+    if layer is None:
+        if new.shape[0] == 1:
+            cache = lax.dynamic_update_slice(cache, new, (0, slots[0, 0], 0, 0))
+        else:
+            cache = cache.at[rows, slots].set(new, mode="drop")
+        return cache, cache
+    cache = cache.at[layer, rows, slots].set(new, mode="drop")
+    return cache, cache[layer]
+
+
+def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis, lengths,
+           w: LayerWeights, x, cache_k, cache_v, layer=None):
+    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
+    [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
+    pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
+    ffn columns (c is then the shard's config): the o and down products are summed over it."""
+    total = (lambda y: y) if axis is None else (lambda y: lax.psum(y, axis))  # noqa: E731
+    b, t, _ = x.shape
+    g = c.queries_per_kv
+
+    h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row), w.bqkv)  # j: g queries, key, value
+    q = qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim)
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    if c.qk_norm:
+        q = rms_norm(q, w.q_norm, c.rms_norm_eps)
+        k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+    cos, sin = rope_tables(positions, inv_freq, x.dtype)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    # Write the new keys/values beside the committed prefix, then attend over the whole cache.
+    slots = lengths[:, None] + jnp.arange(t)[None, :]
+    rows = jnp.arange(b)[:, None]
+    cache_k, keys = _write(cache_k, layer, rows, slots, k)
+    cache_v, values = _write(cache_v, layer, rows, slots, v)
+
+    if pallas:
+        # Prefix = slots < lengths; the chunk's own keys come in beside it under chunk_mask.
+        k_new, v_new = k.astype(keys.dtype), v.astype(values.dtype)
+        interpret = jax.default_backend() == "cpu"  # the CPU runs Pallas only in interpret mode
+        attn = tree_attention(q.astype(keys.dtype), keys, values, k_new, v_new, lengths, chunk_mask,
+                              interpret=interpret)
+    else:
+        attn = _xla_attention(c, q, keys, values, mask)
+    x = x + _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row)), w.bo)
+
+    h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
+    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row)
+    act = jax.nn.silu(gate) * up
+    x = x + _add(total(_project("btf,fd->btd", act, w.w_down, pad_one_row)), w.b_down)
+    return x, cache_k, cache_v
+
+
+def forward(
+    weights: Weights,
+    config: ModelConfig,
+    tokens: jnp.ndarray,  # [b, t] int32
+    cache: KVCache,
+    positions: jnp.ndarray | None = None,  # [b, t]; default lengths + arange(t)
+    chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
+    attention: str = "xla",  # "xla", or "pallas": the fused kernel for chunks of <= 64 tokens
+    logits_at: jnp.ndarray | None = None,  # [b] or [b, m] int32: the positions whose logits are wanted
+) -> tuple[jnp.ndarray, KVCache]:
+    """Runs t new tokens per row; returns (logits [b, t, v] float32 (or [b, m, v] at `logits_at`),
+    cache with their K/V written).
+
+    The cache's lengths are not advanced: the caller commits what it keeps. The layers run
+    unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights. Weights split
+    over a mesh (weights.mesh) run per shard under shard_map; the cache is split by kv heads.
+    """
+    b, t = tokens.shape
+    if positions is None:
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if chunk_mask is None:
+        chunk_mask = jnp.tril(jnp.ones((t, t), bool))
+    inputs = (tokens, positions, chunk_mask, logits_at)
+    if weights.mesh is None:
+        return _forward(config, attention, None, weights, cache, *inputs)
+    tp = weights.mesh.size
+    run = jax.shard_map(
+        functools.partial(_forward, local_config(config, tp), attention, TP),
+        mesh=weights.mesh,
+        in_specs=(weight_specs(weights, config), cache_specs(cache)) + (PartitionSpec(),) * 4,
+        out_specs=(PartitionSpec(), cache_specs(cache)),
+        check_vma=False,  # the Pallas kernel's outputs carry no replication annotations
+    )
+    return run(weights, cache, *inputs)
+
+def _embed(table, tokens, axis, vocab_size: int):
+    """Rows of the embedding. Split by vocabulary over `axis`, each shard gives the rows it holds
+    and zeros elsewhere, and the sum over shards puts every row together."""
+    if axis is None or table.shape[0] == vocab_size:  # whole on each device
+        return table[tokens]
+    rows = table.shape[0]
+    local = tokens - lax.axis_index(axis) * rows
+    held = (local >= 0) & (local < rows)
+    return lax.psum(jnp.where(held[..., None], table[jnp.clip(local, 0, rows - 1)], 0), axis)
+
+
+def _forward(config, attention, axis, weights, cache, tokens, positions, chunk_mask, logits_at):
+    """forward on whole weights (axis None), or on one shard of them (config: the shard's)."""
+    t = tokens.shape[1]
+    pallas = use_pallas(attention, config, t, cache.capacity)
+    mask = None if pallas else attention_mask(
+        cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window
+    )
+    inv_freq = inverse_frequencies(config.rope, config.head_dim)
+
+    x = _embed(weights.embed, tokens, axis, config.vocab_size)
+    unrolled = isinstance(weights.layers, tuple)  # the accelerators' layout (see Weights)
+    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, unrolled, axis,
+                              cache.lengths)
+    if unrolled:  # unrolled over separate arrays
+        new_k, new_v = [], []
+        for i, (w, cache_k, cache_v) in enumerate(zip(weights.layers, cache.k, cache.v)):
+            with jax.named_scope(f"layer{i}"):
+                x, cache_k, cache_v = layer(w, x, cache_k, cache_v)
+            new_k.append(cache_k)
+            new_v.append(cache_v)
+        new_k, new_v = tuple(new_k), tuple(new_v)
+    else:  # stacked, scanned (scan_layers)
+        def body(carry, xs):
+            x, cache_k, cache_v = carry
+            w, i = xs
+            return layer(w, x, cache_k, cache_v, i), None
+
+        (x, new_k, new_v), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v), (weights.layers, jnp.arange(config.num_layers)))
+
+    if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
+        at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
+        x = jnp.take_along_axis(x, at[:, :, None], axis=1)
+    x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
+    if weights.lm_head is None:
+        logits = _project("btd,vd->btv", x, weights.embed, unrolled, preferred_element_type=jnp.float32)
+    else:
+        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, preferred_element_type=jnp.float32)
+    if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
+        logits = lax.all_gather(logits, axis, axis=2, tiled=True)
+    return logits, cache.replace(k=new_k, v=new_v)

@@ -1,0 +1,116 @@
+"""`jaxspec.load`: a converted checkpoint (fast path) or a Hugging Face folder, ready to run."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import CheckpointError, InputError
+from jaxspec.graphs import GraphCache
+from jaxspec.model.checkpoint import is_converted, read_checkpoint, read_hf_weights
+from jaxspec.model.config import ModelConfig, load_config
+from jaxspec.model.sharding import (
+    check_tensor_parallel,
+    make_mesh,
+    replicate,
+    serving_config,
+)
+from jaxspec.model.weights import Weights, field_shardings, weights_from_fields
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def default_dtype():
+    """bfloat16 on accelerators, float32 on the CPU (where bf16 matmuls are slow)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    config: ModelConfig
+    weights: Weights  # arrays in `dtype`, on the default device
+    tokenizer: object | None  # a transformers tokenizer, or None when the folder has none
+    name: str  # folder name, logged as the model id
+    path: Path
+    dtype: jnp.dtype
+    mesh: object = None  # the jax.sharding.Mesh its arrays are on (split or whole); None: the default device
+    graphs: GraphCache = dataclasses.field(default_factory=GraphCache)  # compiled graphs run with it as target
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.weights.mesh is None else self.weights.mesh.size
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel: int = 1) -> Model:
+    """Loads a model folder: converted (has jaxspec.json) or HF (config.json + *.safetensors).
+
+    dtype: compute dtype, "float32" / "bfloat16" / "float16"; default float32 on CPU, bf16 on GPU.
+    tensor_parallel: split the model over this many devices (the first N of jax.devices(), over
+    all hosts under jax.distributed), by heads, ffn columns and vocabulary (jaxspec.model.sharding).
+    A converted checkpoint is restored straight into each device's shards.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise InputError(f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    dtype = jnp.dtype(dtype or default_dtype())
+    config = load_config(path)
+    tp = check_tensor_parallel(config, tensor_parallel, path.name)
+    mesh = make_mesh(tp) if tp > 1 else None
+    if is_converted(path):
+        fields = read_checkpoint(path, config, None if mesh is None else field_shardings(config, mesh))
+    else:
+        fields = read_hf_weights(path, config)
+    weights = weights_from_fields(config, fields, dtype, mesh)
+    return Model(serving_config(config, tp), weights, _load_tokenizer(path), path.name, path, dtype, mesh)
+
+
+def replicated_on(model: Model, mesh) -> Model:
+    """`model` whole on every device of `mesh` (a small draft beside a split target), so one
+    compiled graph runs both. A model already on that mesh is returned as it is."""
+    if model.mesh == mesh:
+        return model
+    if model.mesh is not None or mesh is None:
+        sizes = lambda m: 1 if m is None else m.size  # noqa: E731
+        raise InputError(
+            f"model {model.name!r} is on {sizes(model.mesh)} device(s) and the model it runs with on a different "
+            f"set of {sizes(mesh)}: load the draft with tensor_parallel 1 or the target's, never more than the target's"
+        )
+    key = (model, mesh)
+    if key not in _replicas:
+        _replicas.clear()  # one replica at a time: a long job reuses it, a new pair replaces it
+        _replicas[key] = dataclasses.replace(model, weights=replicate(model.weights, mesh), mesh=mesh)
+    return _replicas[key]
+
+
+_replicas: dict = {}
+
+
+def check_draft_model(target: Model, draft: Model) -> None:
+    """A draft model must share the target's vocabulary (and tokenizer, where both have one)."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise InputError(
+            f"draft {draft.name!r} has vocab_size {dv} but target {target.name!r} has {tv}: "
+            "draft and target must share one tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise InputError(
+                f"draft {draft.name!r} and target {target.name!r} have different tokenizers: "
+                "they must share one vocabulary"
+            )

@@ -1,0 +1,240 @@
+"""The weights pytree (Weights, LayerWeights), the table of parameters (ParamSpec: declared once
+for conversion, validation and random init), and building the engine layout from checkpoint
+fields: q/k/v and gate/up fused, kv heads repeated for tensor parallelism, split over a mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh
+
+from jaxspec.model import layout
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.sharding import (
+    kv_repeats,
+    named,
+    put,
+    serving_config,
+    spec,
+    split_axes,
+)
+
+
+@struct.dataclass
+class LayerWeights:
+    """One decoder layer's weights, q/k/v and gate/up fused (one matmul each instead of three and
+    two: fewer, larger weight reads per decode step). Optional fields are None when absent.
+
+    The fused q/k/v axis is laid out per kv head (its g query heads, then its key, then its
+    value), so splitting axis n over devices splits q, k and v consistently."""
+
+    attn_norm: jnp.ndarray  # [d]
+    wqkv: jnp.ndarray  # [d, n, g + 2, k]
+    wo: jnp.ndarray  # [h, k, d]
+    mlp_norm: jnp.ndarray  # [d]
+    w_gate_up: jnp.ndarray | tuple  # [d, 2, f] (gate, up) fused; ([d, f], [d, f]) on the CPU: see fuse_mlp
+    w_down: jnp.ndarray  # [f, d]
+    bqkv: jnp.ndarray | None = None  # [n, g + 2, k]
+    bo: jnp.ndarray | None = None  # [d]
+    q_norm: jnp.ndarray | None = None  # [k]
+    k_norm: jnp.ndarray | None = None  # [k]
+    b_gate_up: jnp.ndarray | tuple | None = None  # [2, f], or ([f], [f]) as w_gate_up
+    b_down: jnp.ndarray | None = None  # [d]
+
+
+@struct.dataclass
+class Weights:
+    """On accelerators the layers are a tuple of separate arrays, run unrolled: XLA on GPUs copies
+    a stacked array's layer slice before each matmul (cuBLAS wants its own buffer), which made an
+    8B decode step read its weights about three times (11.5 ms against 4.3 ms per step on an
+    H200). On the CPU they stay one LayerWeights stacked over a leading layer axis, run by a
+    lax.scan: there the unrolled graph made a speculative round about 1.5x slower (see
+    scan_layers)."""
+
+    embed: jnp.ndarray  # [v, d]
+    layers: tuple[LayerWeights, ...] | LayerWeights  # per layer, or stacked [L, ...] (scan_layers)
+    final_norm: jnp.ndarray  # [d]
+    lm_head: jnp.ndarray | None = None  # [d, v]; None when tied to embed
+    # The "tp" mesh the arrays are split over (jaxspec.model.sharding); None: whole on each device.
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+
+
+# Logical axes of the engine-layout arrays (jaxspec.model.sharding maps them to the mesh); the split
+# gate/up of the CPU layout (fuse_mlp) drops the fused pair's axis.
+LAYER_AXES = {
+    "attn_norm": (None,), "wqkv": (None, "kv_heads", None, None), "wo": ("heads", None, None),
+    "mlp_norm": (None,), "w_gate_up": (None, None, "ffn"), "w_down": ("ffn", None),
+    "bqkv": ("kv_heads", None, None), "bo": (None,), "q_norm": (None,), "k_norm": (None,),
+    "b_gate_up": (None, "ffn"), "b_down": (None,),
+}
+SPLIT_MLP_AXES = {"w_gate_up": (None, "ffn"), "b_gate_up": ("ffn",)}
+TOP_AXES = {"embed": ("vocab", None), "final_norm": (None,), "lm_head": (None, "vocab")}
+
+
+def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
+    """A PartitionSpec for every array of `weights` (a Weights of specs, for shard_map), split over
+    weights.mesh."""
+    stacked = not isinstance(weights.layers, tuple)
+    tp = 1 if weights.mesh is None else weights.mesh.size
+    split = lambda axes: split_axes(axes, config, tp)  # noqa: E731
+
+    def layer_specs(layer: LayerWeights) -> LayerWeights:
+        out = {}
+        for f in dataclasses.fields(LayerWeights):
+            value = getattr(layer, f.name)
+            if isinstance(value, tuple):
+                out[f.name] = tuple(spec(split(SPLIT_MLP_AXES[f.name]), stacked) for _ in value)
+            elif value is not None:
+                out[f.name] = spec(split(LAYER_AXES[f.name]), stacked)
+        return LayerWeights(**out)
+
+    top = {name: spec(split(axes)) for name, axes in TOP_AXES.items() if getattr(weights, name) is not None}
+    layers = layer_specs(weights.layers) if stacked else tuple(map(layer_specs, weights.layers))
+    return Weights(layers=layers, mesh=weights.mesh, **top)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One weight, declared once for conversion, validation and random init."""
+
+    field: str  # "embed" or "layers.wq": where it lives in Weights
+    hf_name: str  # HF tensor name; "{i}" stands for the layer index
+    hf_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # engine shape (per layer for layers.*)
+    transpose: bool  # HF stores [out, in]; we keep [in, out]
+    axes: tuple = ()  # logical axes of `shape` (jaxspec.model.sharding); () replicated
+
+    @property
+    def per_layer(self) -> bool:
+        return self.field.startswith("layers.")
+
+
+def param_specs(c: ModelConfig) -> list[ParamSpec]:
+    d, f, v, h, n, k = (
+        c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim,
+    )
+    p = "model.layers.{i}."
+    specs = [
+        ParamSpec("embed", "model.embed_tokens.weight", (v, d), (v, d), False, ("vocab", None)),
+        ParamSpec("final_norm", "model.norm.weight", (d,), (d,), False),
+        ParamSpec("layers.attn_norm", p + "input_layernorm.weight", (d,), (d,), False),
+        ParamSpec("layers.wq", p + "self_attn.q_proj.weight", (h * k, d), (d, h, k), True, (None, "heads", None)),
+        ParamSpec("layers.wk", p + "self_attn.k_proj.weight", (n * k, d), (d, n, k), True, (None, "kv_heads", None)),
+        ParamSpec("layers.wv", p + "self_attn.v_proj.weight", (n * k, d), (d, n, k), True, (None, "kv_heads", None)),
+        ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True, ("heads", None, None)),
+        ParamSpec("layers.mlp_norm", p + "post_attention_layernorm.weight", (d,), (d,), False),
+        ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True, (None, "ffn")),
+        ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True, (None, "ffn")),
+        ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True, ("ffn", None)),
+    ]
+    if not c.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head", "lm_head.weight", (v, d), (d, v), True, (None, "vocab")))
+    if c.qkv_bias:
+        specs += [
+            ParamSpec("layers.bq", p + "self_attn.q_proj.bias", (h * k,), (h, k), False, ("heads", None)),
+            ParamSpec("layers.bk", p + "self_attn.k_proj.bias", (n * k,), (n, k), False, ("kv_heads", None)),
+            ParamSpec("layers.bv", p + "self_attn.v_proj.bias", (n * k,), (n, k), False, ("kv_heads", None)),
+        ]
+    if c.o_bias:
+        specs.append(ParamSpec("layers.bo", p + "self_attn.o_proj.bias", (d,), (d,), False))
+    if c.qk_norm:
+        specs += [
+            ParamSpec("layers.q_norm", p + "self_attn.q_norm.weight", (k,), (k,), False),
+            ParamSpec("layers.k_norm", p + "self_attn.k_norm.weight", (k,), (k,), False),
+        ]
+    if c.mlp_bias:
+        specs += [
+            ParamSpec("layers.b_gate", p + "mlp.gate_proj.bias", (f,), (f,), False, ("ffn",)),
+            ParamSpec("layers.b_up", p + "mlp.up_proj.bias", (f,), (f,), False, ("ffn",)),
+            ParamSpec("layers.b_down", p + "mlp.down_proj.bias", (d,), (d,), False),
+        ]
+    return specs
+
+
+def arrange_layers(layers: tuple[LayerWeights, ...]) -> tuple[LayerWeights, ...] | LayerWeights:
+    """Per-layer weights as this backend runs them: kept apart, or stacked (scan_layers)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layout.scan_layers() else layers
+
+
+def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
+    """One layer's fields as param_specs names them ("wq", "bk", ...) -> LayerWeights fields;
+    mlp: fuse gate and up too (see fuse_mlp). Host or (sharded) device arrays in, device arrays
+    out: split by kv heads, q/k/v stay split the same way. Fields may come a group at a time
+    (FUSED_GROUPS)."""
+    n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
+    out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down")
+           if name in f}
+    if "wq" in f:
+        out["wqkv"] = jnp.concatenate(
+            [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
+    if "w_gate" in f:
+        out["w_gate_up"] = jnp.stack([f["w_gate"], f["w_up"]], axis=1) if mlp else (f["w_gate"], f["w_up"])
+    if "bq" in f:
+        out["bqkv"] = jnp.concatenate([f["bq"].reshape(n, g, k), f["bk"][:, None], f["bv"][:, None]], axis=1)
+    if "b_gate" in f:
+        out["b_gate_up"] = jnp.stack([f["b_gate"], f["b_up"]]) if mlp else (f["b_gate"], f["b_up"])
+    return out
+
+
+def field_shardings(config: ModelConfig, mesh: Mesh | None) -> dict:
+    """field -> where a checkpoint-layout array goes (None: the default device)."""
+    tp = 1 if mesh is None else mesh.size
+    return {p.field: named(mesh, spec(split_axes(p.axes or (None,) * len(p.shape), config, tp), p.per_layer))
+            for p in param_specs(config)}
+
+
+def place(weights: Weights, config: ModelConfig, mesh: Mesh | None) -> Weights:
+    """Weights with every array on its shards of `mesh` (a no-op where already there), and the
+    mesh recorded when it splits them (more than one device). config: the one they run with
+    (serving_config: kv heads already repeated)."""
+    if mesh is None:
+        return weights
+    weights = weights.replace(mesh=mesh if mesh.size > 1 else None)
+    specs = weight_specs(weights, config)
+    return jax.tree.map(lambda a, p: put(a, named(mesh, p)), weights, specs)
+
+
+def repeat_kv_heads(a, r: int):
+    """Fused q/k/v [..., n, g + 2, k] -> [..., n * r, g / r + 2, k]: each kv head r times, each
+    copy with the next g / r of its queries (the order of wo's heads is unchanged)."""
+    if r == 1:
+        return a
+    *lead, n, j, k = a.shape
+    g = j - 2
+    q = a[..., :g, :].reshape(*lead, n, r, g // r, k)
+    kv = jnp.broadcast_to(a[..., None, g:, :], (*lead, n, r, 2, k))
+    return jnp.concatenate([q, kv], axis=-2).reshape(*lead, n * r, g // r + 2, k)
+
+
+FUSED_GROUPS = (("wq", "wk", "wv", "bq", "bk", "bv"), ("w_gate", "w_up", "b_gate", "b_up"))
+
+
+def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None) -> Weights:
+    """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked; host arrays,
+    or device arrays already on their shards) -> Weights in `dtype`, split over `mesh` (None: on
+    the default device; the weights then run with serving_config(config, mesh.size)). Each device
+    only ever receives its own shards.
+
+    Consumes `fields`: each stacked field is dropped once its layers are cut from it, a fused
+    group at a time, so a device holds at most its weights plus one group (gate and up of a 70B
+    split two ways: 38 GB beside its 70 GB)."""
+    r = kv_repeats(config, 1 if mesh is None else mesh.size)
+    shardings = field_shardings(config, mesh)
+    mlp = layout.fuse_mlp()
+    take = lambda name: put(fields.pop(name), shardings[name]).astype(dtype)  # noqa: E731
+    top = {name: take(name) for name in list(fields) if not name.startswith("layers.")}
+    names = [name.split(".", 1)[1] for name in fields]
+    groups = list(FUSED_GROUPS) + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
+    layers = [{} for _ in range(config.num_layers)]
+    for group in groups:
+        stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}
+        for i, layer in enumerate(layers if stacked else ()):
+            layer |= fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
+        del stacked  # frees the stacked arrays: the layers hold their own slices
+    for layer in layers:
+        layer |= {name: repeat_kv_heads(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
+    layers = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
+    return place(Weights(layers=layers, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)

@@ -1,0 +1,50 @@
+"""Padded batches of a few bucketed shapes, so a long job compiles a handful of graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.state import Batch
+from jaxspec.serving.requests import Request
+from pallas_kernels.tree_attention import BLOCK_K
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The power of two >= n (at least `minimum`): prompt lengths, budgets and batch sizes are
+    padded to these so a long job compiles a handful of graphs."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def plan_batches(requests: list[Request], max_batch_size: int) -> list[list[int]]:
+    """Indices of requests grouped by length, so each batch pads little."""
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].token_ids))
+    return [order[i : i + max_batch_size] for i in range(0, len(order), max_batch_size)]
+
+
+def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id: int) -> Batch:
+    tokens = np.full((batch_size, prompt_len), pad_id, np.int32)
+    lens = np.zeros(batch_size, np.int32)
+    max_new = np.ones(batch_size, np.int32)
+    temp = np.zeros(batch_size, np.float32)
+    top_k = np.zeros(batch_size, np.int32)
+    top_p = np.ones(batch_size, np.float32)
+    seeds = np.zeros(batch_size, np.uint32)
+    for i, r in enumerate(requests):
+        tokens[i, : len(r.token_ids)] = r.token_ids
+        lens[i] = len(r.token_ids)
+        max_new[i] = r.max_new_tokens
+        temp[i], top_k[i], top_p[i] = r.sampling.temperature, r.sampling.top_k, r.sampling.top_p
+        seeds[i] = r.seed
+    return Batch(tokens, lens, max_new, SamplingParams(temp, top_k, top_p), seeds)
+
+
+def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:
+    """Cache slots for a bucket: a multiple of the attention kernel's block and, past 8 blocks, of
+    8 blocks. The kernel splits the prefix into a divisor of its block count, and a count with few
+    divisors (129 = 3 x 43 blocks at a prefix of 8192) left it 1.5x slower than the XLA path on an
+    H200 (7.7 against 5.2 ms per 8B step)."""
+    blocks = -(-(prompt_len + max_out + slack) // BLOCK_K)
+    return (blocks if blocks <= 8 else -(-blocks // 8) * 8) * BLOCK_K

@@ -1,0 +1,73 @@
+"""Runs validated requests with one decode method under a scheduler: static padded batches, or
+slots refilled as rows finish (continuous); returns Completions with the call's metrics."""
+
+from __future__ import annotations
+
+import time
+
+from jaxspec.decoding.method import DecodeMethod
+from jaxspec.errors import InputError
+from jaxspec.graphs import GraphCache
+from jaxspec.model.loading import Model, replicated_on
+from jaxspec.serving.continuous import ADMIT_ORDERS, run_slots
+from jaxspec.serving.requests import Request
+from jaxspec.serving.static import run_static
+from jaxspec.serving.stats import CallMetrics, Completion, Completions
+
+SCHEDULERS = ("static", "continuous")
+
+
+def run(
+    target: Model, requests: list[Request], max_batch_size: int, method: DecodeMethod = DecodeMethod(),
+    draft: Model | None = None, *, attention: str = "xla", scheduler: str = "static", refill_at: int | None = None,
+    on_done=None, admit_order: str = "longest", graphs: GraphCache | None = None,
+) -> Completions:
+    """Decodes all requests (results in their order) by `method` (its draft model: `draft`).
+    scheduler "static": padded batches of up to max_batch_size, each run until its longest row
+    ends; "continuous": max_batch_size slots, refilled as rows finish (jaxspec.serving.continuous;
+    refill_at: rows freed before a refill; admit_order: run_slots'). on_done(pairs, decode_s,
+    compile_s) gets the (request index, Completion) pairs as they finish (continuous) or per batch
+    (static). graphs: the compiled-graph cache to use (default: the target's own)."""
+    if scheduler not in SCHEDULERS:
+        raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
+    if admit_order not in ADMIT_ORDERS:
+        raise InputError(f"admit_order must be one of {', '.join(ADMIT_ORDERS)}; got {admit_order!r}")
+    graphs = target.graphs if graphs is None else graphs
+    if isinstance(draft, Model):
+        draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
+    loop, params = method.loop(target.config, draft)
+    start, before = time.perf_counter(), graphs.counts()
+    if scheduler == "static":
+        results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done)
+    else:
+        results, decode_s = _run_continuous(target, requests, max_batch_size, loop, params, attention, graphs,
+                                            refill_at, on_done, admit_order)
+    after = graphs.counts()
+    return Completions(results, CallMetrics(
+        requests=len(results),
+        new_tokens=sum(c.stats.new_tokens for c in results),
+        wall_s=time.perf_counter() - start,
+        compile_s=after["compile_s"] - before["compile_s"],
+        decode_s=decode_s,
+        graphs_compiled=after["misses"] - before["misses"],
+        graph_cache_hits=after["hits"] - before["hits"],
+        target_steps=sum(c.stats.target_steps for c in results),
+        drafted=sum(c.stats.drafted for c in results),
+        accepted=sum(c.stats.accepted for c in results),
+    ))
+
+
+def _run_continuous(target, requests, slots, loop, params, attention, graphs, refill_at, on_done,
+                    admit_order) -> tuple[list[Completion], float]:
+    """Greedy and sampled requests each through their own slots (one graph each), in that order."""
+    results: list[Completion | None] = [None] * len(requests)
+    decode_s = 0.0
+    for greedy in (True, False):
+        group = [(i, r) for i, r in enumerate(requests) if r.sampling.greedy == greedy]
+        if group:
+            done, d = run_slots(target, group, min(slots, len(group)), loop, params, attention, greedy, graphs,
+                                refill_at=refill_at, on_done=on_done, admit_order=admit_order)
+            for i, c in done.items():
+                results[i] = c
+            decode_s += d
+    return results, decode_s

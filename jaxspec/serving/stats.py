@@ -1,0 +1,114 @@
+"""What every request and every call reports back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxspec.decoding.state import FINISH_REASONS
+from jaxspec.serving.requests import Request
+
+
+class _Rates:
+    """Derived rates of anything with drafted, accepted, new_tokens and target_steps fields."""
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted; None for plain decoding."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean new tokens per target forward pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.target_steps if self.target_steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestStats(_Rates):
+    prompt_tokens: int
+    new_tokens: int
+    target_steps: int  # target forward passes that produced this row's tokens (prefill counts 1)
+    drafted: int = 0  # draft tokens proposed (0 for plain decoding)
+    accepted: int = 0  # draft tokens the target accepted
+    accepted_per_position: tuple[int, ...] = ()  # accepted count at draft position 1..K
+    drafted_per_position: tuple[int, ...] = ()  # proposals at draft position 1..K
+
+    @property
+    def per_position_acceptance(self) -> tuple[float, ...]:
+        return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position))
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_step=self.tokens_per_step,
+            per_position_acceptance=list(self.per_position_acceptance),
+        )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CallMetrics(_Rates):
+    """Whole-call numbers of one generate() call."""
+
+    requests: int
+    new_tokens: int
+    wall_s: float  # everything, compile included
+    compile_s: float  # time spent compiling graphs not seen before
+    decode_s: float  # device time of the decode graphs, compile excluded
+    graphs_compiled: int  # graphs this call compiled (graph cache misses)
+    target_steps: int = 0  # target forward passes over all requests (prefills included)
+    drafted: int = 0
+    accepted: int = 0
+    graph_cache_hits: int = 0  # graphs this call found compiled already
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self), "tokens_per_s": self.tokens_per_s,
+            "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    text: str | None  # generated part only; None when the model has no tokenizer
+    token_ids: list[int]  # generated tokens, the final EOS included when finish_reason == "eos"
+    finish_reason: str  # "eos" or "length"
+    stats: RequestStats
+
+
+class Completions(list):
+    """A list of Completion in prompt order, with the call's `metrics` attached."""
+
+    def __init__(self, items, metrics: CallMetrics):
+        super().__init__(items)
+        self.metrics = metrics
+
+
+def _request_stats(request: Request, out: dict, row: int) -> RequestStats:
+    n = int(out["num_generated"][row])
+    if "rounds" not in out:  # plain decoding
+        return RequestStats(prompt_tokens=len(request.token_ids), new_tokens=n, target_steps=n)
+    rounds = int(out["rounds"][row])
+    per_position = tuple(int(a) for a in out["accepted_per_position"][row])
+    depth = len(per_position)  # chain: K; tree: its depth (one path position per level)
+    return RequestStats(
+        prompt_tokens=len(request.token_ids),
+        new_tokens=n,
+        target_steps=rounds + 1,  # the prefill produced the first token
+        drafted=rounds * depth,
+        accepted=sum(per_position),
+        accepted_per_position=per_position,
+        drafted_per_position=(rounds,) * depth,
+    )
+
+
+def completion(tokenizer, request: Request, out: dict, row: int) -> Completion:
+    """Row `row` of a decode loop's results (jaxspec.decoding.loop.results, on the host) as the
+    request's Completion; text decoded with `tokenizer` (None: no text)."""
+    ids = out["out_tokens"][row, : int(out["num_generated"][row])].tolist()
+    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
+    return Completion(text, ids, FINISH_REASONS[int(out["finish"][row])], _request_stats(request, out, row))
