@@ -11,15 +11,18 @@ from jaxspec.bench.humaneval import load_prompts
 from jaxspec.defaults import CHECKPOINTS
 
 
+_SESSION_MODELS: list = []  # models that live through the session: their graphs are dropped per module
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_graphs():
     """Each module's compiled graphs are dropped after it: every XLA CPU executable keeps memory
     maps, and a test worker that kept them all passed Linux's 65 530 maps per process late in
-    the run and crashed inside XLA's compiler (segfaults and aborts in test_trees, 2026-12-01)."""
+    the run and crashed inside XLA's compiler (segfaults and aborts in test_trees, 2026-12-01).
+    A module's own models take their graph caches with them; the session's are cleared here."""
     yield
-    from jaxspec import runner
-
-    runner._compiled.clear()
+    for model in _SESSION_MODELS:
+        model.graphs.clear()
     jax.clear_caches()
     gc.collect()
 
@@ -38,6 +41,7 @@ def real_pair():
     """(target, draft): the embedded code models, float32, loaded once per test session."""
     target = jaxspec.load(CHECKPOINTS / "hf" / "code-target-16m", dtype="float32")
     draft = jaxspec.load(CHECKPOINTS / "hf" / "code-draft-4m", dtype="float32")
+    _SESSION_MODELS.extend((target, draft))
     return target, draft
 
 

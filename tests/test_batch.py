@@ -17,19 +17,10 @@ from jaxspec import cli
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.errors import InputError
-from jaxspec.jobs.job import (
-    BatchError,
-    ChunkWriter,
-    JobDefaults,
-    Record,
-    build_request,
-    default_paths,
-    parse_line,
-    plan_chunks,
-    read_output,
-    repair_tail,
-    run_job,
-)
+from jaxspec.batch import BatchError, JobDefaults, JobSettings, read_output, run_job
+from jaxspec.jobs.local import plan_chunks
+from jaxspec.jobs.output import ChunkWriter, repair_tail
+from jaxspec.jobs.records import Record, build_request, parse_line
 from jaxspec.jobs.metrics_log import read_log
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -114,7 +105,7 @@ def mixed_job(tmp_path_factory, target, prompts):
         add_bad(entry)
     src = write_lines(tmp / "in.jsonl", lines)
     out = tmp / "out.jsonl"
-    summary = run_job(src, out, target, max_new_tokens=MAX_NEW, batch_size=4, progress=False)
+    summary = run_job(src, out, target, settings=JobSettings(max_new_tokens=MAX_NEW, batch_size=4, progress=False))
     return src, out, summary, bad, lines
 
 
@@ -150,7 +141,7 @@ def test_per_record_settings_override_the_job_defaults(mixed_job, target, prompt
 
 def test_summary_plot_and_metrics_log(mixed_job):
     src, out, summary, bad, _ = mixed_job
-    paths = default_paths(out)
+    paths = JobSettings().paths(out)
     on_disk = json.loads(paths["summary"].read_text())
     assert on_disk == json.loads(json.dumps(summary))
     t = summary["totals"]
@@ -194,8 +185,8 @@ def test_chat_messages_are_rendered_with_the_template(tmp_path, target):
     src = write_lines(tmp_path / "in.jsonl", [
         {"id": "c", "messages": messages}, {"id": "bad", "messages": [{"role": "user"}]},
     ])
-    run_job(src, tmp_path / "out.jsonl", chat, max_new_tokens=4, batch_size=2, progress=False,
-            plot_path=None, metrics_log=None)
+    run_job(src, tmp_path / "out.jsonl", chat, settings=JobSettings(
+        max_new_tokens=4, batch_size=2, progress=False, plot_path=None, metrics_log=None))
     got = by_id(tmp_path / "out.jsonl")
     ids = tok.encode("# user: write is_even\n# assistant:\n", add_special_tokens=False)
     assert got["c"]["token_ids"] == jaxspec.generate([ids], chat, max_new_tokens=4)[0].token_ids
@@ -209,7 +200,7 @@ def test_duplicate_ids_are_refused_before_any_work(tmp_path, target, capsys):
     ])
     out = tmp_path / "out.jsonl"
     with pytest.raises(BatchError) as e:
-        run_job(src, out, target, progress=False)
+        run_job(src, out, target, settings=JobSettings(progress=False))
     assert "2 duplicate id(s)" in str(e.value)
     assert "'a' on lines 1, 3" in str(e.value) and "'7' on lines 4, 5" in str(e.value)
     assert not out.exists()
@@ -223,13 +214,13 @@ def test_bad_job_settings_raise_input_errors(tmp_path, target):
     src = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
     out = tmp_path / "out.jsonl"
     with pytest.raises(InputError, match="top_p must be in"):
-        run_job(src, out, target, top_p=0, progress=False)
+        run_job(src, out, target, settings=JobSettings(top_p=0, progress=False))
     with pytest.raises(InputError, match="batch_size must be an integer >= 1"):
-        run_job(src, out, target, batch_size=0, progress=False)
+        run_job(src, out, target, settings=JobSettings(batch_size=0, progress=False))
     with pytest.raises(InputError, match="auto needs a draft"):
-        run_job(src, out, target, auto=True, progress=False)
+        run_job(src, out, target, settings=JobSettings(auto=True, progress=False))
     with pytest.raises(InputError, match="does not exist"):
-        run_job(tmp_path / "missing.jsonl", out, target, progress=False)
+        run_job(tmp_path / "missing.jsonl", out, target, settings=JobSettings(progress=False))
     assert not out.exists()
 
 
@@ -252,12 +243,14 @@ def test_repair_tail(tmp_path):
 def test_resume_after_a_torn_write_loses_and_repeats_nothing(tmp_path, target, prompts):
     src = write_lines(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts[:10])])
     full = tmp_path / "full.jsonl"
-    run_job(src, full, target, max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None)
+    run_job(src, full, target, settings=JobSettings(
+        max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None))
     done = full.read_bytes().split(b"\n")[:4]
     out = tmp_path / "out.jsonl"
     kept = b"\n".join(done[:3]) + b"\n"
     out.write_bytes(kept + done[3][: len(done[3]) // 2])  # killed in the middle of a line
-    summary = run_job(src, out, target, max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None)
+    summary = run_job(src, out, target, settings=JobSettings(
+        max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None))
     assert out.read_bytes().startswith(kept)
     got, ref = by_id(out), by_id(full)
     assert set(got) == set(ref) and summary["skipped_existing"] == 3 and summary["missing"] == 0
@@ -265,7 +258,8 @@ def test_resume_after_a_torn_write_loses_and_repeats_nothing(tmp_path, target, p
     assert all(got[i]["token_ids"] == ref[i]["token_ids"] for i in ref)
     # A finished job run again does nothing and changes nothing.
     before = out.read_bytes()
-    again = run_job(src, out, target, max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None)
+    again = run_job(src, out, target, settings=JobSettings(
+        max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None))
     assert out.read_bytes() == before and again["this_run"]["records"] == 0 and again["totals"]["ok"] == 10
 
 
@@ -274,7 +268,7 @@ def test_refuses_to_append_to_a_file_it_did_not_write(tmp_path, target):
     out = tmp_path / "out.jsonl"
     out.write_bytes(b"name,score\nalice,3\n")
     with pytest.raises(BatchError, match="line 1 is not a batch output record"):
-        run_job(src, out, target, progress=False)
+        run_job(src, out, target, settings=JobSettings(progress=False))
     assert out.read_bytes() == b"name,score\nalice,3\n"
 
 
@@ -284,7 +278,7 @@ def test_two_jobs_never_write_one_output(tmp_path, target):
     holder = ChunkWriter(out)  # another job, still running
     try:
         with pytest.raises(BatchError, match="another job is writing"):
-            run_job(src, out, target, progress=False)
+            run_job(src, out, target, settings=JobSettings(progress=False))
     finally:
         holder.close()
     assert out.read_bytes() == b""

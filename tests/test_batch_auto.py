@@ -12,7 +12,7 @@ import jaxspec
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.errors import InputError
 from jaxspec.jobs.canary import pick_sample, sample_size, spread
-from jaxspec.jobs.job import read_output, run_job
+from jaxspec.batch import JobSettings, read_output, run_job
 from jaxspec.jobs.metrics_log import AcceptanceWatch, read_log
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -71,8 +71,9 @@ def check_lossless(out: Path, target, prompts, max_new: int) -> list[dict]:
 def test_auto_falls_back_to_plain_with_a_random_draft(tmp_path, target, random_draft):
     src = job_file(tmp_path / "in.jsonl", CODE)
     out = tmp_path / "out.jsonl"
-    s = run_job(src, out, target, random_draft, max_new_tokens=32, batch_size=1, auto=True, auto_sample=4,
-                auto_ks=(2, 3), auto_trees=("binary-3",), auto_ngram_ks=(), progress=False)
+    s = run_job(src, out, target, random_draft, JobSettings(
+        max_new_tokens=32, batch_size=1, auto=True, auto_sample=4, auto_ks=(2, 3), auto_trees=("binary-3",),
+        auto_ngram_ks=(), progress=False))
     canary = s["canary"]
     assert canary["chosen"] == "plain" and s["settings"]["method"] == "plain"
     assert "speculation does not pay" in canary["reason"] and canary["sample_records"] == 4
@@ -95,8 +96,9 @@ def test_auto_picks_speculation_with_the_real_pair_on_code(tmp_path, target, dra
     src = job_file(tmp_path / "in.jsonl", CODE)
     out = tmp_path / "out.jsonl"
     # Three passes: a 2-core machine shared with other work is noisy; the real gain is ~1.15x.
-    s = run_job(src, out, target, draft, max_new_tokens=64, batch_size=1, auto=True, auto_sample=6,
-                auto_ks=(2, 3), auto_ngram_ks=(), auto_repeats=3, progress=False)
+    s = run_job(src, out, target, draft, JobSettings(
+        max_new_tokens=64, batch_size=1, auto=True, auto_sample=6, auto_ks=(2, 3), auto_ngram_ks=(),
+        auto_repeats=3, progress=False))
     canary = s["canary"]
     assert canary["chosen"].startswith("speculative K="), canary["reason"]
     k = canary["num_draft_tokens"]
@@ -115,8 +117,9 @@ def test_low_acceptance_warning_and_metrics_log(tmp_path, target, random_draft, 
     src = job_file(tmp_path / "in.jsonl", CODE[:4])
     log_path = tmp_path / "metrics.jsonl"
     with caplog.at_level(logging.WARNING, logger="jaxspec"):
-        s = run_job(src, tmp_path / "out.jsonl", target, random_draft, num_draft_tokens=2, max_new_tokens=8,
-                    batch_size=2, metrics_log=log_path, plot_path=None, progress=False)
+        s = run_job(src, tmp_path / "out.jsonl", target, random_draft, JobSettings(
+            num_draft_tokens=2, max_new_tokens=8, batch_size=2, metrics_log=log_path, plot_path=None,
+            progress=False))
     warnings = [r.getMessage() for r in caplog.records if "acceptance rate" in r.getMessage()]
     assert len(warnings) == 1 and "is below 0.60" in warnings[0] and "'random-draft'" in warnings[0]
     batches = [e for e in read_log(log_path) if e["event"] == "batch"]
@@ -130,8 +133,9 @@ def test_low_acceptance_warning_and_metrics_log(tmp_path, target, random_draft, 
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="jaxspec"):
-        run_job(src, tmp_path / "out2.jsonl", target, random_draft, num_draft_tokens=2, max_new_tokens=8,
-                batch_size=2, warn_below_acceptance=0.0, metrics_log=None, plot_path=None, progress=False)
+        run_job(src, tmp_path / "out2.jsonl", target, random_draft, JobSettings(
+            num_draft_tokens=2, max_new_tokens=8, batch_size=2, warn_below_acceptance=0.0, metrics_log=None,
+            plot_path=None, progress=False))
     assert not [r for r in caplog.records if "acceptance rate" in r.getMessage()]
 
 
@@ -167,6 +171,6 @@ def test_sample_size_spread_and_pick():
 
 
 def test_the_rate_is_shown_with_the_digits_that_put_it_below():
-    from jaxspec.jobs.metrics_log import below
+    from jaxspec.serving.warnings import below
 
     assert below(0.5996, 0.6) == "0.5996 is below 0.60" and below(0.42, 0.6) == "0.42 is below 0.60"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.jobs.job import read_output, run_job, write_humaneval_jsonl
+from jaxspec.batch import JobSettings, read_output, run_job
+from jaxspec.bench.workloads import write_humaneval_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +24,8 @@ def test_two_workers_give_what_one_gives(tmp_path, real_pair):
     src = write_humaneval_jsonl(tmp_path / "in.jsonl", limit=20, lognormal=dict(median=16, cap=40))
     with open(src, "a") as f:
         f.write('{"id": "bad", "prompt": "x", "top_p": 2}\n')
-    one = run_job(src, tmp_path / "one.jsonl", target, max_new_tokens=8, batch_size=4, plot_path=None, progress=False)
+    one = run_job(src, tmp_path / "one.jsonl", target, settings=JobSettings(
+        max_new_tokens=8, batch_size=4, plot_path=None, progress=False))
     done = subprocess.run(_cmd(src, tmp_path / "two.jsonl", "8", "4"), env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -10,13 +10,11 @@ import pytest
 import jaxspec
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
-from jaxspec.jobs.job import (
-    lognormal_budgets,
-    read_output,
-    run_job,
-    write_humaneval_jsonl,
-)
-from jaxspec.serving.continuous import PlainLoop, advance
+from jaxspec.batch import JobSettings, read_output, run_job
+from jaxspec.bench.workloads import lognormal_budgets, write_humaneval_jsonl
+from jaxspec.decoding.loop import advance
+from jaxspec.decoding.method import DecodeMethod
+from jaxspec.decoding.plain import PlainLoop
 from jaxspec.serving.requests import Request, SamplingSettings
 from jaxspec.serving.runner import run
 
@@ -39,8 +37,9 @@ def _same(a, b):
 @pytest.mark.parametrize("how", ["plain", "model K=3", "model tree", "ngram K=4"])
 def test_continuous_equals_static_and_alone(real_pair, requests_, how):
     target, draft = real_pair
-    kw = {"plain": {}, "model K=3": dict(draft=draft, num_draft=3), "model tree": dict(draft=draft, tree=(-1, 0, 0, 1)),
-          "ngram K=4": dict(draft=Ngram(), num_draft=4)}[how]
+    kw = {"plain": {}, "model K=3": dict(method=DecodeMethod("draft", 3), draft=draft),
+          "model tree": dict(method=DecodeMethod("draft", tree=(-1, 0, 0, 1)), draft=draft),
+          "ngram K=4": dict(method=DecodeMethod("ngram", 4, ngram=Ngram()))}[how]
     static = run(target, requests_, 4, scheduler="static", **kw)
     continuous = run(target, requests_, 4, scheduler="continuous", **kw)
     assert _same(continuous, static)
@@ -54,15 +53,16 @@ def test_refill_policy_and_sampling_do_not_change_outputs(real_pair, requests_):
     target, draft = real_pair
     mixed = [Request(r.token_ids, r.max_new_tokens, SamplingSettings(0.9, 0, 0.95) if i % 2 else r.sampling, 100 + i)
              for i, r in enumerate(requests_)]
-    static = run(target, mixed, 4, draft=draft, num_draft=2, scheduler="static")
+    k2 = DecodeMethod("draft", 2)
+    static = run(target, mixed, 4, k2, draft, scheduler="static")
     for refill_at, order in ((1, "longest"), (4, "longest"), (2, "arrival")):
-        outs = run(target, mixed, 4, draft=draft, num_draft=2, scheduler="continuous", refill_at=refill_at,
+        outs = run(target, mixed, 4, k2, draft, scheduler="continuous", refill_at=refill_at,
                    admit_order=order)
         assert _same(outs, static)
     with pytest.raises(InputError, match="admit_order must be one of longest, arrival; got 'fifo'"):
         run(target, mixed, 4, scheduler="continuous", admit_order="fifo")
     reseeded = dataclasses.replace(mixed[1], seed=7)  # the sampled rows really sample
-    assert static[1].token_ids != run(target, [reseeded], 1, draft=draft, num_draft=2)[0].token_ids
+    assert static[1].token_ids != run(target, [reseeded], 1, k2, draft)[0].token_ids
 
 
 def test_generate_past_one_batch_uses_slots(real_pair, requests_):
@@ -76,14 +76,12 @@ def test_generate_past_one_batch_uses_slots(real_pair, requests_):
 def test_the_loop_returns_only_when_rows_free_up(real_pair):
     """One while_loop, no host callbacks; it stops after `need` rows finished."""
     target = real_pair[0]
-    from jaxspec.serving.continuous import begin
-    from jaxspec.serving.runner import make_batch
+    from jaxspec.decoding.slots import admit, begin
+    from jaxspec.serving.batching import make_batch
 
     loop = PlainLoop(target.config)
     static = dict(loop=loop, capacity=64, max_out=32, greedy_only=True)
     reqs = [Request((5, 6, 7), budget, SamplingSettings(), 0) for budget in (3, 9, 30, 30)]
-    from jaxspec.serving.continuous import admit
-
     state, batch = begin(target.weights, None, make_batch([], 4, 1, 0), **static)
     state, batch = admit(target.weights, None, state, batch, make_batch(reqs, 4, 16, 0), jax.numpy.arange(4), **static)
     kw = dict(loop=loop, greedy_only=True, attention="xla")
@@ -100,11 +98,11 @@ def test_batch_job_schedulers_agree(tmp_path, real_pair):
     src = write_humaneval_jsonl(tmp_path / "in.jsonl", limit=10, lognormal=dict(median=12, cap=40))
     got = {}
     for scheduler in ("continuous", "static"):
-        s = run_job(src, tmp_path / f"{scheduler}.jsonl", target, max_new_tokens=8, batch_size=4, scheduler=scheduler,
-                    plot_path=None, progress=False)
+        s = run_job(src, tmp_path / f"{scheduler}.jsonl", target, settings=JobSettings(
+            max_new_tokens=8, batch_size=4, scheduler=scheduler, plot_path=None, progress=False))
         assert s["settings"]["scheduler"] == scheduler and s["totals"]["ok"] == 10
         got[scheduler] = {r["id"]: r["token_ids"] for r in read_output(tmp_path / f"{scheduler}.jsonl")}
     assert got["continuous"] == got["static"]
     assert len({len(t) for t in got["static"].values()}) > 2  # the records' own budgets, not the default
     with pytest.raises(jaxspec.InputError, match="scheduler must be one of static, continuous"):
-        run_job(src, tmp_path / "x.jsonl", target, scheduler="dynamic", progress=False)
+        run_job(src, tmp_path / "x.jsonl", target, settings=JobSettings(scheduler="dynamic", progress=False))

@@ -6,7 +6,6 @@ import jax
 import pytest
 
 import jaxspec
-from jaxspec import runner
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -34,23 +33,39 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
-def test_prompts_in_one_bucket_compile_nothing_new(target, monkeypatch):
-    # Start from no compiled graphs, whatever other tests compiled before.
-    monkeypatch.setattr(runner, "_compiled", {})
+def test_prompts_in_one_bucket_compile_nothing_new(target):
+    # Start from no compiled graphs (a cache of our own), whatever other tests compiled before.
+    graphs = jaxspec.GraphCache()
     jax.clear_caches()
     ids = target.tokenizer.encode("def fibonacci(n):\n    ")
-    jaxspec.generate([ids + [10] * 11, ids], target, max_new_tokens=20)  # <= 32 tokens, batch 2
+    first = jaxspec.generate([ids + [10] * 11, ids], target, max_new_tokens=20, graphs=graphs)  # <= 32 tokens, batch 2
+    assert (first.metrics.graphs_compiled, first.metrics.graph_cache_hits) == (1, 0)
     with CompileCounter() as counter:
-        outs = jaxspec.generate([ids + [10] * 3, ids + [10] * 20], target, max_new_tokens=20)
-        outs2 = jaxspec.generate([ids + [10] * 16, ids + [10]], target, max_new_tokens=17)
+        outs = jaxspec.generate([ids + [10] * 3, ids + [10] * 20], target, max_new_tokens=20, graphs=graphs)
+        outs2 = jaxspec.generate([ids + [10] * 16, ids + [10]], target, max_new_tokens=17, graphs=graphs)
     assert counter.count == 0
     assert outs.metrics.graphs_compiled == 0 and outs2.metrics.graphs_compiled == 0
+    assert outs.metrics.graph_cache_hits == 1 and graphs.hits == 2
     assert [o.stats.new_tokens for o in outs] == [20, 20]
     # A longer prompt lands in the next bucket: exactly one new decode graph.
     with CompileCounter() as counter:
-        outs3 = jaxspec.generate([ids + [10] * 40], target, max_new_tokens=20)
+        outs3 = jaxspec.generate([ids + [10] * 40], target, max_new_tokens=20, graphs=graphs)
     assert outs3.metrics.graphs_compiled == 1
     assert counter.count >= 1
+
+
+def test_the_graph_cache_is_bounded(target):
+    """Least recently used graphs go first once the cache is full; a hit keeps a graph in."""
+    graphs = jaxspec.GraphCache(max_graphs=2)
+    ids = target.tokenizer.encode("def f(x):")
+    call = lambda n: jaxspec.generate([ids + [10] * n], target, max_new_tokens=4, graphs=graphs)  # noqa: E731
+    call(1), call(20), call(1)  # prompt buckets 16, 32, then 16 again (a hit)
+    assert (graphs.misses, graphs.hits, graphs.evictions, len(graphs)) == (2, 1, 0, 2)
+    assert call(40).metrics.graphs_compiled == 1  # bucket 64 evicts bucket 32, the least recently used
+    assert graphs.evictions == 1 and call(1).metrics.graph_cache_hits == 1
+    assert call(20).metrics.graphs_compiled == 1
+    with pytest.raises(jaxspec.InputError, match="max_graphs must be an integer >= 1; got 0"):
+        jaxspec.GraphCache(0)
 
 
 def test_stops_on_eos_and_max_new_tokens_exactly(target):

@@ -10,12 +10,12 @@ from test_speculative_distribution import (
     chi2_pvalue,
     exact_joint,
     sampled_joint,
+    sampled_with,
 )
 from test_speculative_distribution import pair as tiny_pair  # noqa: F401  (fixture)
 from tiny_models import TINY, save_tiny
 
 import jaxspec
-from jaxspec import runner
 from jaxspec.decoding.ngram import (
     Ngram,
     NgramDrafter,
@@ -23,7 +23,8 @@ from jaxspec.decoding.ngram import (
     distinct,
     ngram_tree,
 )
-from jaxspec.decoding.speculative import speculative_decode
+from jaxspec.decoding.loop import decode
+from jaxspec.decoding.speculative import SpeculativeLoop
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 MAX_NEW = 64
@@ -122,12 +123,12 @@ def test_sampling_matches_target_distribution(tiny_pair, branches, setting):  # 
 
 def test_one_compiled_loop(real_pair):
     from jaxspec.serving.requests import Request, SamplingSettings
-    from jaxspec.serving.runner import make_batch
+    from jaxspec.serving.batching import make_batch
 
     target = real_pair[0]
     batch = make_batch([Request((1, 2, 3, 1, 2), 8, SamplingSettings(), 0)], 1, 16, 0)
-    jaxpr = jax.make_jaxpr(lambda t, b: speculative_decode(
-        t, None, b, target_config=target.config, drafter=NgramDrafter(4, 2), capacity=32, max_out=16,
+    jaxpr = jax.make_jaxpr(lambda t, b: decode(
+        t, None, b, loop=SpeculativeLoop(target.config, NgramDrafter(4, 2)), capacity=32, max_out=16,
         greedy_only=False))(target.weights, batch)
     names = [e.primitive.name for e in jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns]
     assert names.count("while") == 1 and "callback" not in str(jaxpr)
@@ -150,7 +151,7 @@ def test_batch_job_with_ngram_lookup(tmp_path, real_pair):
     import json
 
     from jaxspec import cli
-    from jaxspec.jobs.job import read_output, run_job
+    from jaxspec.batch import JobSettings, read_output, run_job
 
     target = real_pair[0]
     prompts = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "for i in range(3):\n    print(i)\nfor j in",
@@ -158,8 +159,8 @@ def test_batch_job_with_ngram_lookup(tmp_path, real_pair):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)) + '{"id": 9}\n')
     ref = jaxspec.generate(prompts, target, max_new_tokens=24)
-    s = run_job(src, tmp_path / "out.jsonl", target, Ngram(branches=2), num_draft_tokens=4, max_new_tokens=24,
-                batch_size=2, plot_path=None, progress=False)
+    s = run_job(src, tmp_path / "out.jsonl", target, Ngram(branches=2), JobSettings(
+        num_draft_tokens=4, max_new_tokens=24, batch_size=2, plot_path=None, progress=False))
     got = {r["id"]: r for r in read_output(tmp_path / "out.jsonl")}
     assert sorted(got) == [0, 1, 2, 9] and "prompt is missing" in got[9]["error"]
     for i, r in enumerate(ref):
@@ -168,8 +169,9 @@ def test_batch_job_with_ngram_lookup(tmp_path, real_pair):
     assert (s["settings"]["draft"], s["settings"]["drafter"]) == ("ngram", "ngram")
 
     # The canary tries lookup beside the draft model, and keeps what it measured fastest.
-    s = run_job(src, tmp_path / "auto.jsonl", target, real_pair[1], max_new_tokens=24, batch_size=1, auto=True,
-                auto_sample=2, auto_ks=(2,), auto_ngram_ks=(4,), auto_repeats=1, plot_path=None, progress=False)
+    s = run_job(src, tmp_path / "auto.jsonl", target, real_pair[1], JobSettings(
+        max_new_tokens=24, batch_size=1, auto=True, auto_sample=2, auto_ks=(2,), auto_ngram_ks=(4,),
+        auto_repeats=1, plot_path=None, progress=False))
     cands = {c["method"]: c for c in s["canary"]["candidates"]}
     assert set(cands) == {"plain", "speculative K=2", "ngram K=4"}
     assert cands["ngram K=4"]["drafter"] == "ngram" and cands["ngram K=4"]["greedy_identical"]
@@ -201,7 +203,7 @@ def test_generate_command_line(capsys):
     assert len(out["token_ids"]) == 12 and out["stats"]["drafted"] == 4 * (out["stats"]["target_steps"] - 1)
 
 
-def test_the_test_catches_a_residual_that_keeps_the_rejected_token(tiny_pair, monkeypatch):  # noqa: F811
+def test_the_test_catches_a_residual_that_keeps_the_rejected_token(tiny_pair):  # noqa: F811
     """The classic point-mass mistake: on rejection, drawing from p itself (x not removed)."""
     import jaxspec.decoding.speculative as speculative
     from jaxspec.decoding.acceptance import leading_true
@@ -212,11 +214,7 @@ def test_the_test_catches_a_residual_that_keeps_the_rejected_token(tiny_pair, mo
         p_at = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
         return accepted, jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))(keys, p_at).astype(jnp.int32)
 
-    monkeypatch.setattr(speculative, "accept_sampling", keeps_x)
-    fresh = jax.jit(lambda *a, **kw: speculative.speculative_decode.__wrapped__(*a, **kw),
-                    static_argnames=("target_config", "drafter", "capacity", "max_out", "greedy_only", "attention"))
-    monkeypatch.setattr(runner, "speculative_decode", fresh)
-    monkeypatch.setattr(runner, "_compiled", {})
     target, _ = tiny_pair
     setting = SETTINGS[0]
-    assert chi2_pvalue(sampled_joint(target, Ngram(), setting), exact_joint(target, setting)) < 1e-6
+    counts = sampled_with(speculative, "accept_sampling", keeps_x, target, Ngram(), setting)
+    assert chi2_pvalue(counts, exact_joint(target, setting)) < 1e-6

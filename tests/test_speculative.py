@@ -8,7 +8,9 @@ from tiny_models import TINY, save_tiny
 
 import jaxspec
 from jaxspec.decoding.draft_model import ModelDrafter
-from jaxspec.decoding.speculative import speculative_decode
+from jaxspec.decoding.loop import decode
+from jaxspec.decoding.method import DecodeMethod
+from jaxspec.decoding.speculative import SpeculativeLoop
 from jaxspec.decoding.trees import chain
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -113,7 +115,7 @@ def test_mixed_greedy_and_sampled_rows(pair, prompts):
 
     ids = [tuple(target.tokenizer.encode(p)) for p in prompts[:2]]
     reqs = [Request(ids[0], 24, SamplingSettings(), 0), Request(ids[1], 24, SamplingSettings(1.0, 20, 0.9), 3)]
-    outs = run(target, reqs, max_batch_size=2, draft=draft, num_draft=3)
+    outs = run(target, reqs, 2, DecodeMethod("draft", 3), draft)
     ref = jaxspec.generate([list(ids[0])], target, max_new_tokens=24)
     assert outs[0].token_ids == ref[0].token_ids
 
@@ -122,12 +124,12 @@ def test_one_compiled_loop_and_no_host_round_trips(pair, prompts):
     """The whole generation is a single while_loop in one graph, with no host callbacks."""
     target, draft = pair
     from jaxspec.serving.requests import Request, SamplingSettings
-    from jaxspec.serving.runner import make_batch
+    from jaxspec.serving.batching import make_batch
 
     batch = make_batch([Request((1, 2, 3), 8, SamplingSettings(), 0)], 1, 16, 0)
     jaxpr = jax.make_jaxpr(
-        lambda t, d, b: speculative_decode(
-            t, d, b, target_config=target.config, drafter=ModelDrafter(draft.config, chain(4)), capacity=32,
+        lambda t, d, b: decode(
+            t, d, b, loop=SpeculativeLoop(target.config, ModelDrafter(draft.config, chain(4))), capacity=32,
             max_out=16, greedy_only=False,
         )
     )(target.weights, draft.weights, batch)

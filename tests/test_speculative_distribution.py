@@ -17,12 +17,13 @@ from tiny_models import save_tiny
 
 import jaxspec
 import jaxspec.decoding.speculative as speculative
-from jaxspec import runner
 from jaxspec.decoding.acceptance import accept_sampling
+from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.sampling import SamplingParams, target_probs
 from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import forward
 from jaxspec.serving.requests import Request, SamplingSettings
+from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 VOCAB = 16
@@ -64,9 +65,10 @@ def exact_joint(target, s: SamplingSettings) -> np.ndarray:
     return joint / joint.sum()
 
 
-def sampled_joint(target, draft, s: SamplingSettings, tree=None) -> np.ndarray:
+def sampled_joint(target, draft, s: SamplingSettings, tree=None, graphs=None) -> np.ndarray:
+    """draft: a draft model or jaxspec.ngram.Ngram, K = 2 (or `tree`)."""
     reqs = [Request(PROMPT, 3, s, seed) for seed in range(N)]
-    outs = runner.run(target, reqs, max_batch_size=8192, draft=draft, num_draft=2, tree=tree)
+    outs = run(target, reqs, 8192, DecodeMethod.of(draft, 2, tree), draft, graphs=graphs)
     counts = np.zeros((VOCAB, VOCAB))
     for o in outs:
         assert len(o.token_ids) == 3
@@ -94,20 +96,25 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
     assert chi2_pvalue(counts, probs) > 1e-4
 
 
-def test_the_test_catches_a_biased_acceptance_rule(pair, monkeypatch):
+def sampled_with(module, name: str, replacement, *args) -> np.ndarray:
+    """sampled_joint(*args) with module.name replaced inside the decode loop: jit's traces are
+    keyed by the function, so they are dropped before (to trace the loop again with the
+    replacement) and after (so nothing else runs it), and a graph cache of its own compiles it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, name, replacement)
+        jax.clear_caches()
+        counts = sampled_joint(*args, graphs=jaxspec.GraphCache())
+    jax.clear_caches()
+    return counts
+
+
+def test_the_test_catches_a_biased_acceptance_rule(pair):
     """Accepting drafts 5 % too often skews the output toward the draft: the test must see it."""
     target, draft = pair
 
     def biased(drafts, q, p, uniforms, keys):
         return accept_sampling(drafts, q, p * 1.05, uniforms, keys)
 
-    monkeypatch.setattr(speculative, "accept_sampling", biased)
-    # A fresh jit of the loop traces the biased rule (jit's caches are keyed by the function);
-    # the runner compiles it under its own key, forgotten afterwards. Nothing else recompiles.
-    fresh = jax.jit(lambda *a, **kw: speculative.speculative_decode.__wrapped__(*a, **kw),
-                    static_argnames=("target_config", "drafter", "capacity", "max_out", "greedy_only", "attention"))
-    monkeypatch.setattr(runner, "speculative_decode", fresh)
-    monkeypatch.setattr(runner, "_compiled", {})
     setting = SETTINGS[0]
-    counts = sampled_joint(target, draft, setting)
+    counts = sampled_with(speculative, "accept_sampling", biased, target, draft, setting)
     assert chi2_pvalue(counts, exact_joint(target, setting)) < 1e-6

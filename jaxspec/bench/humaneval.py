@@ -6,9 +6,11 @@ import gzip
 import json
 from pathlib import Path
 
+from jaxspec.defaults import REPO_ROOT
+
 # The repository's copy: <repo>/data/HumanEval.jsonl.gz (found from an editable install or a
 # source checkout; pass `path` when the package is installed elsewhere).
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "HumanEval.jsonl.gz"
+DEFAULT_PATH = REPO_ROOT / "data" / "HumanEval.jsonl.gz"
 
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[str]:

@@ -28,7 +28,7 @@ class DecodeMethod:
     from jaxspec.trees.NAMED_TREES or a parents array. ngram: the lookup settings (kind "ngram")."""
 
     kind: str = "plain"
-    k: int = 0
+    k: int = DEFAULT_NUM_DRAFT
     tree: str | Tree | None = None
     ngram: Ngram | None = None
 

@@ -13,6 +13,7 @@ index only, and a row's statistics count only its own rounds.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 import jax
@@ -45,7 +46,7 @@ ADMIT_ORDERS = ("longest", "arrival")
 def run_slots(target: Model, requests, slots: int, loop, params, attention: str, greedy_only: bool, graphs: GraphCache,
               *, refill_at: int | None = None, max_steps: int | None = None, on_done=None,
               admit_order: str = "longest"):
-    """Decodes `requests` (indices into the caller's list, Request) through `slots` slots.
+    """Decodes `requests` ((index into the caller's list, Request) pairs) through `slots` slots.
     admit_order "longest": the largest budget first (an offline job knows every budget, and
     starting the long records early leaves short ones to fill the slots at the end; admitting in
     budget-ascending order made the 8B job on an H200 0.74-0.90x static); "arrival": in the
@@ -55,88 +56,116 @@ def run_slots(target: Model, requests, slots: int, loop, params, attention: str,
     (completions by index, decode_s)."""
     if admit_order not in ADMIT_ORDERS:
         raise InputError(f"admit_order must be one of {', '.join(ADMIT_ORDERS)}; got {admit_order!r}")
-    pad = target.config.pad_token_id
-    reqs = dict(requests)
-    max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
-    # Room for the longest row (its own prompt + budget), not the longest prompt plus the largest
-    # budget; and for the widest prompt bucket, which a prefill writes whole.
-    longest = max(len(r.token_ids) + r.max_new_tokens for r in reqs.values())
-    capacity = max(cache_capacity(longest, 0, loop.slack), max(bucket(len(r.token_ids)) for r in reqs.values()))
-    refill_at = refill_at or default_refill_at(slots)
-    max_steps = max_steps or max_out
-    static = dict(loop=loop, capacity=capacity, max_out=max_out, greedy_only=greedy_only)
-    timing = {"decode": 0.0, "compile": 0.0}
+    return _Slots(target, dict(requests), slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
+                  on_done, admit_order).run()
 
-    def call(fn, static, *args):
-        exe, spent = graphs.executable(fn, static, *args)
-        timing["compile"] += spent
+
+class _Slots:
+    """The host's side of the slots: which request each slot holds, what is pending and done, and
+    the seconds spent (decoding, compiling) since on_done's last call."""
+
+    def __init__(self, target, reqs: dict, slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
+                 on_done, admit_order):
+        self.target, self.reqs, self.slots, self.params, self.graphs = target, reqs, slots, params, graphs
+        self.on_done = on_done
+        max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
+        # Room for the longest row (its own prompt + budget), not the longest prompt plus the largest
+        # budget; and for the widest prompt bucket, which a prefill writes whole.
+        longest = max(len(r.token_ids) + r.max_new_tokens for r in reqs.values())
+        capacity = max(cache_capacity(longest, 0, loop.slack), max(bucket(len(r.token_ids)) for r in reqs.values()))
+        self.refill_at = refill_at or default_refill_at(slots)
+        self.max_steps = max_steps or max_out
+        self.static = dict(loop=loop, capacity=capacity, max_out=max_out, greedy_only=greedy_only)
+        self.advance_static = dict(loop=loop, greedy_only=greedy_only, attention=attention)
+        self.fields = tuple(f for f in loop.result_fields if f != "finish")  # finish is fetched at every return
+        by_budget = lambda i: (-reqs[i].max_new_tokens, len(reqs[i].token_ids))  # noqa: E731
+        self.pending = collections.deque(sorted(reqs, key=by_budget) if admit_order == "longest" else reqs)
+        self.holder: list[int | None] = [None] * slots
+        self.done: dict[int, object] = {}
+        self.decode_s = self.compile_s = 0.0
+        self.unreported = [0.0, 0.0]  # decode, compile seconds since on_done's last call
+        # Whole on every device of the target's mesh, as the static scheduler's batches.
+        empty = replicate(make_batch([], slots, 1, target.config.pad_token_id), target.mesh)
+        self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)
+
+    def call(self, fn, static, *args):
+        exe, spent = self.graphs.executable(fn, static, *args)
+        self.compile_s += spent
         return exe(*args)
 
-    # Whole on every device of the target's mesh, as the static scheduler's batches.
-    state, batch = call(begin, static, target.weights, params, replicate(make_batch([], slots, 1, pad), target.mesh))
-    by_budget = lambda i: (-reqs[i].max_new_tokens, len(reqs[i].token_ids))  # noqa: E731
-    pending = collections.deque(sorted(reqs, key=by_budget) if admit_order == "longest" else reqs)
-    holder: list[int | None] = [None] * slots
-    done: dict[int, object] = {}
-    fields = tuple(f for f in loop.result_fields if f != "finish")  # finish is fetched at every return
+    @contextlib.contextmanager
+    def clock(self):
+        """The seconds inside, less those spent compiling, count as decoding."""
+        t0, compiled_before = time.perf_counter(), self.compile_s
+        yield
+        compiled = self.compile_s - compiled_before
+        decoding = time.perf_counter() - t0 - compiled
+        self.decode_s += decoding
+        self.unreported[0] += decoding
+        self.unreported[1] += compiled
 
-    def harvest(got, finish, indices):
-        """Completions of the rows gathered at the last return (`got`: device arrays, row j = indices[j])."""
-        out = {**jax.device_get(got), "finish": finish}
-        for j, index in enumerate(indices):
-            done[index] = completion(target.tokenizer, reqs[index], out, j)
-        return [(i, done[i]) for i in indices]
-
-    unreported = {"decode": 0.0, "compile": 0.0}  # seconds since on_done's last call
-
-    def account(t0, compiled_before):
-        compiled = timing["compile"] - compiled_before
-        spent = time.perf_counter() - t0 - compiled
-        timing["decode"] += spent
-        unreported["decode"] += spent
-        unreported["compile"] += compiled
-
-    def emit(pairs):
-        if on_done is not None and pairs:
-            on_done(pairs, unreported["decode"], unreported["compile"])
-            unreported.update(decode=0.0, compile=0.0)
-
-    ended_rows = None  # (device arrays, finish, indices) of the rows that ended at the last return
-    while pending or any(h is not None for h in holder):
-        t0, compiled_before = time.perf_counter(), timing["compile"]
-        free = [i for i, h in enumerate(holder) if h is None]
-        taken = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+    def admit(self) -> None:
+        """Starts pending requests in the free slots: one prefill-and-insert per prompt bucket."""
+        free = [i for i, h in enumerate(self.holder) if h is None]
+        taken = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
         by_bucket: dict[int, list[tuple[int, int]]] = {}
         for slot, index in zip(free, taken):
-            by_bucket.setdefault(bucket(len(reqs[index].token_ids)), []).append((slot, index))
-            holder[slot] = index
+            by_bucket.setdefault(bucket(len(self.reqs[index].token_ids)), []).append((slot, index))
+            self.holder[slot] = index
         for width, group in by_bucket.items():
             rows = bucket(len(group), 1)
-            new = replicate(make_batch([reqs[i] for _, i in group], rows, width, pad), target.mesh)
-            where = np.full(rows, slots, np.int32)  # padding rows land past the end: dropped
+            new = make_batch([self.reqs[i] for _, i in group], rows, width, self.target.config.pad_token_id)
+            where = np.full(rows, self.slots, np.int32)  # padding rows land past the end: dropped
             where[: len(group)] = [s for s, _ in group]
-            state, batch = call(admit, static, target.weights, params, state, batch, new, jnp.asarray(where))
-        need = jnp.int32(min(refill_at, len(pending)) if pending else slots + 1)
-        state = call(advance, dict(loop=loop, greedy_only=greedy_only, attention=attention),
-                     target.weights, params, batch, state, need, jnp.int32(max_steps))
-        # The last return's rows are fetched and turned into completions (and on_done writes
-        # them) while the device runs the admit and advance just dispatched.
-        if ended_rows:
-            emit(harvest(*ended_rows))
-        finish = np.asarray(jax.device_get(state.finish))  # waits for the advance
-        ended = [s for s, h in enumerate(holder) if h is not None and finish[s] != RUNNING]
-        ended_rows = None
-        if ended:  # gathered on the device now: the next admit donates the state
-            rows = np.zeros(slots, np.int32)
-            rows[: len(ended)] = ended
-            got = call(take_rows, {}, {f: getattr(state, f) for f in fields}, jnp.asarray(rows))
-            ended_rows = (got, finish[ended], [holder[s] for s in ended])
-            for s in ended:
-                holder[s] = None
-        account(t0, compiled_before)
-    if ended_rows:
-        t0 = time.perf_counter()
-        pairs = harvest(*ended_rows)
-        account(t0, timing["compile"])
-        emit(pairs)
-    return done, timing["decode"]
+            self.state, self.batch = self.call(admit, self.static, self.target.weights, self.params, self.state,
+                                               self.batch, replicate(new, self.target.mesh), jnp.asarray(where))
+
+    def advance(self) -> None:
+        """Decodes until refill_at more rows have finished (every row, once nothing is pending)."""
+        need = min(self.refill_at, len(self.pending)) if self.pending else self.slots + 1
+        self.state = self.call(advance, self.advance_static, self.target.weights, self.params, self.batch, self.state,
+                               jnp.int32(need), jnp.int32(self.max_steps))
+
+    def take_ended(self):
+        """Gathers the rows that ended on the device (now: the next admit donates the state) and
+        frees their slots -> (device arrays, finish codes, request indices), or None."""
+        finish = np.asarray(jax.device_get(self.state.finish))  # waits for the advance
+        ended = [s for s, h in enumerate(self.holder) if h is not None and finish[s] != RUNNING]
+        if not ended:
+            return None
+        rows = np.zeros(self.slots, np.int32)
+        rows[: len(ended)] = ended
+        got = self.call(take_rows, {}, {f: getattr(self.state, f) for f in self.fields}, jnp.asarray(rows))
+        indices = [self.holder[s] for s in ended]
+        for s in ended:
+            self.holder[s] = None
+        return got, finish[ended], indices
+
+    def harvest(self, got, finish, indices) -> list[tuple[int, object]]:
+        """Completions of gathered rows (`got`: device arrays, row j = indices[j])."""
+        out = {**jax.device_get(got), "finish": finish}
+        for j, index in enumerate(indices):
+            self.done[index] = completion(self.target.tokenizer, self.reqs[index], out, j)
+        return [(i, self.done[i]) for i in indices]
+
+    def report(self, pairs) -> None:
+        if self.on_done is not None and pairs:
+            self.on_done(pairs, *self.unreported)
+            self.unreported = [0.0, 0.0]
+
+    def run(self) -> tuple[dict, float]:
+        ended = None  # the rows that ended at the last return
+        while self.pending or any(h is not None for h in self.holder):
+            with self.clock():
+                self.admit()
+                self.advance()
+                # The last return's rows become completions (and on_done writes them) while the
+                # device runs the admit and advance just dispatched.
+                if ended:
+                    self.report(self.harvest(*ended))
+                ended = self.take_ended()
+        if ended:
+            with self.clock():
+                pairs = self.harvest(*ended)
+            self.report(pairs)
+        return self.done, self.decode_s
