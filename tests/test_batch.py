@@ -147,6 +147,8 @@ def test_summary_plot_and_metrics_log(mixed_job):
     t = summary["totals"]
     assert (t["records"], t["ok"], t["failed"]) == (30 + len(BAD), 30, len(BAD))
     assert summary["missing"] == 0 and summary["skipped_existing"] == 0
+    g = summary["this_run"]["graph_cache"]  # the target's compiled graphs: some compiled, then reused
+    assert g["misses"] >= 1 and g["hits"] >= 1 and g["graphs"] <= g["max_graphs"]
     assert t["new_tokens"] == sum(r["stats"]["new_tokens"] for r in read_output(out) if "stats" in r)
     assert t["acceptance_rate"] is None and t["tokens_per_step"] == 1.0  # plain decoding
     assert summary["by_prompt_version"]["v2"]["ok"] == 10 and summary["by_prompt_version"]["v1"]["ok"] == 20

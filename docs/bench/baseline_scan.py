@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
-from jaxspec.decoding.plain import prefill
+from jaxspec.decoding.state import prefill
 from jaxspec.model.config import config_from_hf
 from jaxspec.model.loading import Model
 from jaxspec.model.weights import param_specs, weights_from_fields
 from jaxspec.serving.generate import build_requests
-from jaxspec.serving.runner import bucket, cache_capacity, make_batch
+from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 
 assert "scratch/baseline" in jaxspec.__file__, jaxspec.__file__
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -291,6 +291,7 @@ class _Job:
                 "tokens_per_s": state.new_tokens / wall if wall > 0 else 0.0,
                 "decode_tokens_per_s": state.new_tokens / state.decode_s if state.decode_s > 0 else 0.0,
                 "batches": len(state.batches),
+                "graph_cache": self.target.graphs.counts(),  # the target's compiled graphs since it was loaded
                 "workers": _per_worker(state.batches),
             },
             "by_prompt_version": report.by_prompt_version(mine),
