@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from jaxspec import compile_cache
 from jaxspec.bench.main import add_bench_args, run_bench
 from jaxspec.checks import int_list, int_list_or_none
 from jaxspec.decoding.method import DEFAULT_NUM_DRAFT
@@ -52,6 +53,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed; each prompt gets its own stream")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--compile-cache", metavar="DIR|off",
+                   help=f"keep compiled graphs in DIR across runs, or 'off' (default: ${compile_cache.ENV}, else "
+                        f"{compile_cache.default_dir()})")
 
 
 def add_ngram_args(p: argparse.ArgumentParser) -> None:
@@ -294,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                                "--tensor-parallel (jaxspec generate and jaxspec bench run across hosts)")
         if hasattr(args, "coordinator"):
             initialize(args)  # joins the other processes first, as jax.distributed requires
+        if getattr(args, "compile_cache", None) is not None:
+            compile_cache.enable(args.compile_cache)
         if getattr(args, "coordinator", None) and not is_main_process():
             # every process computes the same results; process 0 prints them
             sys.stdout = open(os.devnull, "w")

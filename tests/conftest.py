@@ -2,6 +2,11 @@
 
 
 import gc
+import os
+
+# The suite compiles afresh: no persistent compilation cache in ~/.cache (tests of the cache give
+# it a folder of their own).
+os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")
 
 import jax
 import pytest

@@ -170,3 +170,27 @@ def test_multi_shard_checkpoint_is_read_into_one_copy(tmp_path):
     assert fields.keys() == whole.keys()
     for name in fields:
         np.testing.assert_array_equal(fields[name], whole[name])
+
+
+def _hub_cache(root, repo_id: str, source) -> None:
+    """A Hugging Face hub cache holding `source`'s files as repo_id's main revision (the layout
+    huggingface_hub writes: blobs are plain files here, which it reads the same)."""
+    commit = "0" * 40
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(source, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_models_load_by_hub_id_from_the_cache(tmp_path, monkeypatch):
+    _hub_cache(tmp_path / "hub", "jaxspec/code-draft-4m", HF_DRAFT)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    by_id = jaxspec.load("jaxspec/code-draft-4m", dtype="float32")
+    by_folder = jaxspec.load(HF_DRAFT, dtype="float32")
+    assert by_id.name == "jaxspec/code-draft-4m" and by_id.config == by_folder.config
+    for a, b in zip(jax.tree.leaves(by_id.weights), jax.tree.leaves(by_folder.weights)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(jaxspec.CheckpointError, match="model 'nobody/nothing' is no folder here and not in the Hugging Face cache .HF_HUB_OFFLINE"):
+        jaxspec.load("nobody/nothing")
+    assert cli_main(["generate", "def f(x):", "--target", "jaxspec/code-draft-4m", "--max-new-tokens", "4"]) == 0

@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+from jaxspec import compile_cache
 from jaxspec.bench.common import groups, machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.scale import add_scale_args, run_scale_bench
@@ -157,6 +158,7 @@ def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_
 
 
 def run_bench(args) -> int:
+    compile_cache.disable()  # the compile seconds it reports are first compiles, never disk reads
     if args.shape:
         args.batch_sizes = args.batch_sizes or [1, 8, 32, 64]
         return run_scale_bench(args)

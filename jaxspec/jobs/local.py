@@ -13,7 +13,8 @@ from jaxspec.serving.runner import run
 
 def plan_chunks(records: list[Record], batch_size: int) -> list[list[Record]]:
     """Device batches: records of one prompt-length bucket, budget bucket and greedy-ness, split
-    at batch_size. A chunk never spans buckets, so a job compiles a few graphs and pads little."""
+    at batch_size. A chunk never spans buckets, so a job pads little; each bucket pair is one
+    graph, all compiled up front in parallel (jaxspec.serving.static)."""
     def shape(r: Record):
         q = r.request
         return bucket(len(q.token_ids)), bucket(q.max_new_tokens), not q.sampling.greedy
@@ -35,6 +36,11 @@ def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod,
         run(target, [r.request for r in todo], settings.batch_size, method, draft, attention=attention,
             scheduler="continuous", refill_at=settings.refill_at, on_done=on_done)
         return
-    for chunk in plan_chunks(todo, settings.batch_size):
-        outs = run(target, [r.request for r in chunk], settings.batch_size, method, draft, attention=attention)
-        emit(chunk, outs, outs.metrics.decode_s, outs.metrics.compile_s, None)
+    index = {id(r): i for i, r in enumerate(todo)}
+    groups = [[index[id(r)] for r in chunk] for chunk in plan_chunks(todo, settings.batch_size)]
+
+    def on_batch(pairs, decode_s, compile_s):
+        emit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, None)
+
+    run(target, [r.request for r in todo], settings.batch_size, method, draft, attention=attention,
+        on_done=on_batch, groups=groups)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from safetensors import safe_open
 
 from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
@@ -49,14 +50,12 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
     return files
 
 
-def _open_all(files: list[Path]) -> dict[str, tuple[Path, object]]:
+def _open_all(files: list[Path], framework: str) -> dict[str, tuple[Path, object]]:
     """tensor name -> (file, open handle)."""
-    from safetensors import safe_open
-
     found: dict[str, tuple[Path, object]] = {}
     for path in files:
         try:
-            handle = safe_open(str(path), framework="flax")
+            handle = safe_open(str(path), framework=framework)
             names = list(handle.keys())
         except Exception as e:  # safetensors raises several types for a damaged header
             raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
@@ -79,15 +78,12 @@ def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
     return out
 
 
-def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
-    """Reads and validates a HF safetensors checkpoint; returns engine-layout fields in `dtype`
-    (None: the source's).
-
-    Every tensor's name and shape is checked against what the config implies before any data is
-    read; the error names the offending tensor and file.
-    """
+def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -> dict[str, tuple]:
+    """HF tensor name -> (spec, layer index or None, file, open safetensors handle) for every
+    tensor the config implies, after checking every name and shape in the folder (before any
+    data is read); the error names the offending tensor and file."""
     hf_dir = Path(hf_dir)
-    found = _open_all(_safetensors_files(hf_dir))
+    found = _open_all(_safetensors_files(hf_dir), framework)
     expected = _expected(config)
     tied_head = config.tie_word_embeddings and "lm_head.weight" in found
     unexpected = [
@@ -112,16 +108,26 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict
             raise CheckpointError(
                 f"tensor {name} in {path.name} has shape {shape}; the config implies {spec.hf_shape}"
             )
+    return {name: (spec, layer, *found[name]) for name, (spec, layer) in expected.items()}
 
+
+def read_tensor(name: str, path: Path, handle) -> np.ndarray:
+    """One tensor from an open safetensors file, as stored (HF layout and dtype)."""
+    try:
+        return handle.get_tensor(name)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from None
+
+
+def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
+    """Reads and validates a HF safetensors checkpoint into host arrays in the engine's
+    checkpoint layout (layers stacked), in `dtype` (None: the source's): what conversion writes."""
+    tensors = open_hf(hf_dir, config)
     # Each field is allocated once, stacked over layers, and filled tensor by tensor (cast on the
     # way in): a checkpoint of many shards never sits in host memory twice.
     fields: dict[str, np.ndarray] = {}
-    for name, (spec, layer) in expected.items():
-        path, handle = found[name]
-        try:
-            arr = np.asarray(handle.get_tensor(name))
-        except Exception as e:
-            raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from None
+    for name, (spec, layer, path, handle) in tensors.items():
+        arr = read_tensor(name, path, handle)
         if spec.transpose:
             arr = arr.T
         arr = arr.reshape(spec.shape)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxspec import compile_cache
 from jaxspec.errors import CheckpointError, InputError
 from jaxspec.graphs import GraphCache
-from jaxspec.model.checkpoint import is_converted, read_checkpoint, read_hf_weights
+from jaxspec.model.checkpoint import is_converted, read_checkpoint
 from jaxspec.model.config import ModelConfig, load_config
+from jaxspec.model.hf_loading import load_hf_weights
 from jaxspec.model.sharding import (
     check_tensor_parallel,
     make_mesh,
@@ -52,17 +56,48 @@ def _load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hugging Face hub names models
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt", "vocab.txt", "*.jinja"]
+
+
+def model_folder(path: str | Path) -> tuple[Path, str]:
+    """(folder, model name): a folder as given, or for a hub id ("org/name") that is no folder
+    here, its snapshot in the Hugging Face cache ($HF_HUB_CACHE), downloaded first where the
+    network allows."""
+    if Path(path).is_dir() or not HUB_ID.match(str(path)):
+        if not Path(path).is_dir():
+            raise CheckpointError(f"model folder {path} does not exist (nor is it a hub id such as org/name)")
+        return Path(path), Path(path).name
+    from huggingface_hub import snapshot_download  # with transformers; only hub ids need it
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    kw = dict(repo_id=str(path), cache_dir=os.environ.get("HF_HUB_CACHE"), allow_patterns=HUB_FILES)
+    try:
+        return Path(snapshot_download(local_files_only=True, **kw)), str(path)
+    except LocalEntryNotFoundError:
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+            raise CheckpointError(f"model {str(path)!r} is no folder here and not in the Hugging Face cache "
+                                  "(HF_HUB_OFFLINE is set: no download)") from None
+    try:
+        return Path(snapshot_download(**kw)), str(path)
+    except Exception as e:  # offline, unknown id, no access: the hub raises many kinds
+        raise CheckpointError(
+            f"model {str(path)!r} is no folder here and not in the Hugging Face cache, and the hub could not "
+            f"provide it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+
+
 def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel: int = 1) -> Model:
-    """Loads a model folder: converted (has jaxspec.json) or HF (config.json + *.safetensors).
+    """Loads a model folder: converted (has jaxspec.json) or HF (config.json + *.safetensors), or a
+    Hugging Face hub id ("meta-llama/Llama-3.1-8B") from the hub's cache (downloaded if need be).
 
     dtype: compute dtype, "float32" / "bfloat16" / "float16"; default float32 on CPU, bf16 on GPU.
     tensor_parallel: split the model over this many devices (the first N of jax.devices(), over
     all hosts under jax.distributed), by heads, ffn columns and vocabulary (jaxspec.model.sharding).
     A converted checkpoint is restored straight into each device's shards.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"model folder {path} does not exist")
+    path, name = model_folder(path)
+    compile_cache.enable()  # on by default (jaxspec.compile_cache): graphs compiled once per machine
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise InputError(f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
@@ -73,10 +108,10 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     mesh = make_mesh(tp) if tp > 1 else None
     if is_converted(path):
         fields = read_checkpoint(path, config, None if mesh is None else field_shardings(config, mesh))
+        weights = weights_from_fields(config, fields, dtype, mesh)
     else:
-        fields = read_hf_weights(path, config)
-    weights = weights_from_fields(config, fields, dtype, mesh)
-    return Model(serving_config(config, tp), weights, _load_tokenizer(path), path.name, path, dtype, mesh)
+        weights = load_hf_weights(path, config, dtype, mesh)
+    return Model(serving_config(config, tp), weights, _load_tokenizer(path), name, path, dtype, mesh)
 
 
 def replicated_on(model: Model, mesh) -> Model:

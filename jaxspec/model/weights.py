@@ -221,7 +221,6 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     Consumes `fields`: each stacked field is dropped once its layers are cut from it, a fused
     group at a time, so a device holds at most its weights plus one group (gate and up of a 70B
     split two ways: 38 GB beside its 70 GB)."""
-    r = kv_repeats(config, 1 if mesh is None else mesh.size)
     shardings = field_shardings(config, mesh)
     mlp = layout.fuse_mlp()
     take = lambda name: put(fields.pop(name), shardings[name]).astype(dtype)  # noqa: E731
@@ -234,7 +233,15 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
         for i, layer in enumerate(layers if stacked else ()):
             layer |= fuse_layer(config, {n: a[i] for n, a in stacked.items()}, mlp)
         del stacked  # frees the stacked arrays: the layers hold their own slices
+    return assemble(config, top, layers, mesh)
+
+
+def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | None) -> Weights:
+    """Weights from the top-level arrays and each layer's fused fields (fuse_layer's names), all
+    in their dtype on their shards: kv heads repeated for the mesh, layers laid out for this
+    backend (layout.scan_layers), the mesh recorded."""
+    r = kv_repeats(config, 1 if mesh is None else mesh.size)
     for layer in layers:
         layer |= {name: repeat_kv_heads(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
-    layers = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
-    return place(Weights(layers=layers, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
+    stacked = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
+    return place(Weights(layers=stacked, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)

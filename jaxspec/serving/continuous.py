@@ -4,8 +4,9 @@ The engine's shape stays: decoding is a jitted while_loop with no host round tri
 returns to the host once `refill_at` rows have finished since it was entered (or no row runs, or
 after `max_steps` steps); the host writes those rows' completions, a jitted prefill-and-insert
 (`admit`, JetStream's prefill / insert split) starts new requests in the freed slots of every
-cache, and the loop resumes. New requests are prefilled in their own prompt-length bucket, so a
-job compiles one loop graph and a few admit graphs. Per-request output, statistics and seeds do
+cache, and the loop resumes. New requests are prefilled in their own prompt-length bucket, a
+fixed number of rows at a time, so a job compiles one loop graph and one admit graph per prompt
+bucket, all of them up front and in parallel. Per-request output, statistics and seeds do
 not depend on the slot or the neighbours: each row's random stream depends on its seed and token
 index only, and a row's statistics count only its own rounds.
 """
@@ -74,6 +75,7 @@ class _Slots:
         longest = max(len(r.token_ids) + r.max_new_tokens for r in reqs.values())
         capacity = max(cache_capacity(longest, 0, loop.slack), max(bucket(len(r.token_ids)) for r in reqs.values()))
         self.refill_at = refill_at or default_refill_at(slots)
+        self.admit_rows = min(bucket(self.refill_at, 1), bucket(slots, 1))  # rows per prefill-and-insert
         self.max_steps = max_steps or max_out
         self.static = dict(loop=loop, capacity=capacity, max_out=max_out, greedy_only=greedy_only)
         self.advance_static = dict(loop=loop, greedy_only=greedy_only, attention=attention)
@@ -86,7 +88,23 @@ class _Slots:
         self.unreported = [0.0, 0.0]  # decode, compile seconds since on_done's last call
         # Whole on every device of the target's mesh, as the static scheduler's batches.
         empty = replicate(make_batch([], slots, 1, target.config.pad_token_id), target.mesh)
-        self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)
+        with self.clock():  # reported with the first records that finish
+            self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)
+            self.compile_s += graphs.precompile(self.graphs_needed())[0]
+
+    def graphs_needed(self) -> list:
+        """(fn, static, args) of every graph the slots will run: an admit per prompt bucket, the
+        loop and the gather of finished rows."""
+        w, pad = self.target.weights, self.target.config.pad_token_id
+        widths = sorted({bucket(len(r.token_ids)) for r in self.reqs.values()})
+        where = jnp.zeros(self.admit_rows, jnp.int32)
+        calls = [(admit, self.static, (w, self.params, self.state, self.batch,
+                                       replicate(make_batch([], self.admit_rows, width, pad), self.target.mesh), where))
+                 for width in widths]
+        calls.append((advance, self.advance_static, (w, self.params, self.batch, self.state, jnp.int32(0), jnp.int32(0))))
+        rows = jnp.zeros(self.slots, jnp.int32)
+        calls.append((take_rows, {}, ({f: getattr(self.state, f) for f in self.fields}, rows)))
+        return calls
 
     def call(self, fn, static, *args):
         exe, spent = self.graphs.executable(fn, static, *args)
@@ -112,13 +130,14 @@ class _Slots:
         for slot, index in zip(free, taken):
             by_bucket.setdefault(bucket(len(self.reqs[index].token_ids)), []).append((slot, index))
             self.holder[slot] = index
+        rows = self.admit_rows
         for width, group in by_bucket.items():
-            rows = bucket(len(group), 1)
-            new = make_batch([self.reqs[i] for _, i in group], rows, width, self.target.config.pad_token_id)
-            where = np.full(rows, self.slots, np.int32)  # padding rows land past the end: dropped
-            where[: len(group)] = [s for s, _ in group]
-            self.state, self.batch = self.call(admit, self.static, self.target.weights, self.params, self.state,
-                                               self.batch, replicate(new, self.target.mesh), jnp.asarray(where))
+            for part in (group[i : i + rows] for i in range(0, len(group), rows)):
+                new = make_batch([self.reqs[i] for _, i in part], rows, width, self.target.config.pad_token_id)
+                where = np.full(rows, self.slots, np.int32)  # padding rows land past the end: dropped
+                where[: len(part)] = [s for s, _ in part]
+                self.state, self.batch = self.call(admit, self.static, self.target.weights, self.params, self.state,
+                                                   self.batch, replicate(new, self.target.mesh), jnp.asarray(where))
 
     def advance(self) -> None:
         """Decodes until refill_at more rows have finished (every row, once nothing is pending)."""

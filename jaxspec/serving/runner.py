@@ -21,13 +21,15 @@ def run(
     target: Model, requests: list[Request], max_batch_size: int, method: DecodeMethod = DecodeMethod(),
     draft: Model | None = None, *, attention: str = "xla", scheduler: str = "static", refill_at: int | None = None,
     on_done=None, admit_order: str = "longest", graphs: GraphCache | None = None,
+    groups: list[list[int]] | None = None,
 ) -> Completions:
     """Decodes all requests (results in their order) by `method` (its draft model: `draft`).
     scheduler "static": padded batches of up to max_batch_size, each run until its longest row
     ends; "continuous": max_batch_size slots, refilled as rows finish (jaxspec.serving.continuous;
     refill_at: rows freed before a refill; admit_order: run_slots'). on_done(pairs, decode_s,
     compile_s) gets the (request index, Completion) pairs as they finish (continuous) or per batch
-    (static). graphs: the compiled-graph cache to use (default: the target's own)."""
+    (static; groups: its batches as lists of request indices, by default similar prompt lengths
+    together). graphs: the compiled-graph cache to use (default: the target's own)."""
     if scheduler not in SCHEDULERS:
         raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if admit_order not in ADMIT_ORDERS:
@@ -38,7 +40,8 @@ def run(
     loop, params = method.loop(target.config, draft)
     start, before = time.perf_counter(), graphs.counts()
     if scheduler == "static":
-        results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done)
+        results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done,
+                                       groups)
     else:
         results, decode_s = _run_continuous(target, requests, max_batch_size, loop, params, attention, graphs,
                                             refill_at, on_done, admit_order)
@@ -51,6 +54,7 @@ def run(
         decode_s=decode_s,
         graphs_compiled=after["misses"] - before["misses"],
         graph_cache_hits=after["hits"] - before["hits"],
+        graphs_from_disk=after["disk_hits"] - before["disk_hits"],
         target_steps=sum(c.stats.target_steps for c in results),
         drafted=sum(c.stats.drafted for c in results),
         accepted=sum(c.stats.accepted for c in results),

@@ -60,6 +60,7 @@ class CallMetrics(_Rates):
     drafted: int = 0
     accepted: int = 0
     graph_cache_hits: int = 0  # graphs this call found compiled already
+    graphs_from_disk: int = 0  # of graphs_compiled, those read back from the persistent compilation cache
 
     @property
     def tokens_per_s(self) -> float:
