@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from jaxspec import compile_cache
@@ -19,7 +20,7 @@ from jaxspec.distributed import add_parallel_args, initialize, is_main_process
 from jaxspec.errors import JaxspecError
 from jaxspec.jobs.job import run_job
 from jaxspec.jobs.records import check_unique, read_input
-from jaxspec.jobs.report import format_summary
+from jaxspec.jobs.report import format_summary, write_json
 from jaxspec.jobs.settings import AUTO_KS, AUTO_NGRAM_KS, JobSettings
 from jaxspec.model.checkpoint import convert_hf_checkpoint
 from jaxspec.model.loading import load
@@ -242,10 +243,14 @@ def run_batch(args) -> int:
         raise JaxspecError(f"input file {args.input} does not exist")
     settings = job_settings(args)
     check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
+    t0 = time.perf_counter()
     target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     draft = None if args.no_draft else load_draft(args, args.draft or embedded_model(DEFAULT_DRAFT))
+    load_s = time.perf_counter() - t0
     with _jaxspec_logging():
         summary = run_job(args.input, args.output, target, draft, settings)
+    summary["this_run"]["load_s"] = load_s  # the models' loading, before the job's own clock started
+    write_json(Path(summary["summary_path"]), summary)
     print(format_summary(summary))
     return 0
 

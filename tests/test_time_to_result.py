@@ -15,7 +15,9 @@ from jaxspec import compile_cache
 from jaxspec.batch import JobSettings, run_job
 from jaxspec.bench.workloads import write_humaneval_jsonl
 from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
-from jaxspec.serving.batching import bucket
+from jaxspec.jobs.local import plan_chunks
+from jaxspec.jobs.records import prepare, read_input
+from jaxspec.serving.batching import batch_rows, bucket
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -36,15 +38,15 @@ def test_a_job_compiles_one_loop_and_one_admit_per_prompt_bucket(tmp_path):
 def test_a_static_job_compiles_each_shape_once_and_up_front(tmp_path):
     target = jaxspec.load(CHECKPOINTS / "hf" / "code-target-16m", dtype="float32")
     src = write_humaneval_jsonl(tmp_path / "in.jsonl", limit=24, lognormal=dict(median=10, cap=40))
-    out = tmp_path / "out.jsonl"
-    summary = run_job(src, out, target, settings=JobSettings(
+    summary = run_job(src, tmp_path / "out.jsonl", target, settings=JobSettings(
         batch_size=4, scheduler="static", plot_path=None, metrics_log=None, progress=False))
-    records = [json.loads(line) for line in src.read_text().splitlines()]
-    shapes = {(bucket(len(target.tokenizer.encode(r["prompt"]))), bucket(r["max_new_tokens"])) for r in records}
+    records = [prepare(r, target, JobSettings().defaults) for r in read_input(src)]
+    chunks = plan_chunks(records, 4)
+    shapes = {(bucket(len(c[0].request.token_ids)), bucket(c[0].request.max_new_tokens), rows)
+              for c, rows in zip(chunks, batch_rows([len(c) for c in chunks]))}
     g = summary["this_run"]["graph_cache"]
-    # One graph per (prompt bucket, budget bucket): every batch padded to the job's batch size.
-    assert g["misses"] == len(shapes) <= summary["this_run"]["batches"]
-    assert g["hits"] == 0  # compiled up front, each run once: no graph looked up twice
+    assert g["misses"] == len(shapes) < len(chunks) == summary["this_run"]["batches"]
+    assert g["hits"] == 0  # compiled up front, each handed to its batches: no graph looked up twice
 
 
 def test_precompile_runs_in_threads_and_hands_back_the_executables():

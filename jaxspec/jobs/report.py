@@ -80,8 +80,9 @@ def format_summary(s: dict) -> str:
         f"  this run: {run['records']} records, {run['new_tokens']} new tokens in {run['wall_s']:.1f} s: "
         f"{run['records_per_s']:.2f} records/s, {run['tokens_per_s']:.1f} tokens/s "
         f"({run['decode_tokens_per_s']:.1f} tokens/s decoding; compile {run['compile_s']:.1f} s, "
-        f"canary {run['canary_s']:.1f} s; graphs compiled {run['graph_cache']['misses']}, reused "
-        f"{run['graph_cache']['hits']})",
+        f"canary {run['canary_s']:.1f} s; graphs compiled {run['graph_cache']['misses']}, of which "
+        f"{run['graph_cache']['disk_hits']} read back from the compile cache)"
+        + (f"; models loaded in {run['load_s']:.1f} s" if "load_s" in run else ""),
         f"  all records: {t['new_tokens']} new tokens, acceptance {_fmt(t['acceptance_rate'])}, "
         f"{_fmt(t['tokens_per_step'], '.2f')} tokens per target step",
     ]

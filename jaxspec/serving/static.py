@@ -1,6 +1,7 @@
 """The static scheduler: padded batches of similar requests, each decoded to its longest row's end
 by one compiled graph (jaxspec.decoding.loop.decode). Every batch of a call is padded to the
-same number of rows, and all of the call's graphs are compiled up front, in parallel."""
+same number of rows on accelerators (batching.batch_rows), and all of the call's graphs are
+compiled up front, in parallel."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ from jaxspec.decoding.loop import decode
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import bucket, cache_capacity, make_batch, plan_batches
+from jaxspec.serving.batching import batch_rows, bucket, cache_capacity, make_batch, plan_batches
 from jaxspec.serving.requests import Request
 from jaxspec.serving.stats import Completion, completion
 
 
 def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop, params, attention: str):
     """(request indices, padded batch, decode's static arguments) of each group."""
-    rows = bucket(max(len(g) for g in groups), 1)
     out = []
-    for group in groups:
+    for group, rows in zip(groups, batch_rows([len(g) for g in groups])):
         reqs = [requests[i] for i in group]
         prompt_len = bucket(max(len(r.token_ids) for r in reqs))
         max_out = bucket(max(r.max_new_tokens for r in reqs))
