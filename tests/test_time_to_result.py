@@ -17,7 +17,7 @@ from jaxspec.bench.workloads import write_humaneval_jsonl
 from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.jobs.local import plan_chunks
 from jaxspec.jobs.records import prepare, read_input
-from jaxspec.serving.batching import batch_rows, bucket
+from jaxspec.serving.batching import batch_shapes, bucket
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -42,8 +42,7 @@ def test_a_static_job_compiles_each_shape_once_and_up_front(tmp_path):
         batch_size=4, scheduler="static", plot_path=None, metrics_log=None, progress=False))
     records = [prepare(r, target, JobSettings().defaults) for r in read_input(src)]
     chunks = plan_chunks(records, 4)
-    shapes = {(bucket(len(c[0].request.token_ids)), bucket(c[0].request.max_new_tokens), rows)
-              for c, rows in zip(chunks, batch_rows([len(c) for c in chunks]))}
+    shapes = set(batch_shapes([[r.request for r in c] for c in chunks]))
     g = summary["this_run"]["graph_cache"]
     assert g["misses"] == len(shapes) < len(chunks) == summary["this_run"]["batches"]
     assert g["hits"] == 0  # compiled up front, each handed to its batches: no graph looked up twice
@@ -89,3 +88,13 @@ def test_the_cache_folder_follows_the_flag_then_the_environment(tmp_path, monkey
     monkeypatch.delenv(compile_cache.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     assert compile_cache.resolve() == tmp_path / "home" / "jaxspec" / "xla"
+
+
+def test_accelerators_pad_every_batch_of_a_call_to_one_row_count_and_budget(monkeypatch):
+    from jaxspec.serving.requests import Request, SamplingSettings
+
+    req = lambda n, budget: Request((1,) * n, budget, SamplingSettings(), 0)  # noqa: E731
+    groups = [[req(5, 10)] * 3, [req(40, 300)], [req(20, 60)] * 9]
+    assert batch_shapes(groups) == [(4, 16, 16), (1, 64, 512), (16, 32, 64)]  # the CPU: each its own
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert batch_shapes(groups) == [(16, 16, 512), (16, 64, 512), (16, 32, 512)]

@@ -47,20 +47,26 @@ def hf_axes(p: ParamSpec) -> tuple:
     return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("transpose", "shape", "dtype", "sharding"))
-def _to_engine(x, *, transpose: bool, shape: tuple, dtype, sharding):
-    """An HF-layout tensor on its devices -> the engine layout, in `dtype`, on `sharding`."""
-    x = (x.T if transpose else x).reshape(shape).astype(dtype)
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+@functools.partial(jax.jit, static_argnames=("layout", "dtype", "config", "mlp"))
+def _to_engine(raw: dict, *, layout: tuple, dtype, config: ModelConfig | None, mlp: bool) -> dict:
+    """HF-layout tensors on their devices -> the engine layout in `dtype`, fused (fuse_layer)
+    when `config` is given: one graph for every layer (and one for the top-level tensors), not
+    one per tensor shape. layout: (field, transpose, engine shape) of each tensor."""
+    out = {name: (raw[name].T if transpose else raw[name]).reshape(shape).astype(dtype)
+           for name, transpose, shape in layout}
+    return out if config is None else fuse_layer(config, out, mlp)
 
 
-def _tensor(entry, config: ModelConfig, dtype, mesh: Mesh | None):
-    name, (p, _, path, handle) = entry
+def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool) -> dict:
+    """Reads `entries` (open_hf items) onto their devices, each device only its own shard, and
+    converts them there."""
     tp = 1 if mesh is None else mesh.size
-    hf_sharding = named(mesh, spec(split_axes(hf_axes(p), config, tp)))
-    engine_sharding = named(mesh, spec(split_axes(p.axes or (None,) * len(p.shape), config, tp)))
-    raw = put(read_tensor(name, path, handle), hf_sharding)
-    return _to_engine(raw, transpose=p.transpose, shape=p.shape, dtype=dtype, sharding=engine_sharding)
+    raw, shapes = {}, []
+    for name, (p, _, path, handle) in entries:
+        field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
+        raw[field] = put(read_tensor(name, path, handle), named(mesh, spec(split_axes(hf_axes(p), config, tp))))
+        shapes.append((field, p.transpose, p.shape))
+    return _to_engine(raw, layout=tuple(shapes), dtype=dtype, config=config if fuse else None, mlp=layout.fuse_mlp())
 
 
 def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None) -> Weights:
@@ -72,20 +78,16 @@ def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh |
     for entry in tensors.items():
         layer = entry[1][1]
         (top_entries if layer is None else by_layer[layer]).append(entry)
-    mlp = layout.fuse_mlp()
-    field = lambda entry: entry[1][0].field.split(".", 1)[-1]  # noqa: E731  ("layers.wq" -> "wq")
-
-    def read_layer(entries) -> dict:
-        return fuse_layer(config, {field(e): _tensor(e, config, dtype, mesh) for e in entries}, mlp)
-
     workers = max(1, min(MAX_READERS, os.cpu_count() or 1, config.num_layers))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool, tqdm(
         total=config.num_layers, desc=f"loading {Path(hf_dir).name}", unit="layer", delay=PROGRESS_AFTER_S,
         leave=False,
     ) as bar:
-        futures = [pool.submit(read_layer, entries) for entries in by_layer]
-        top = {field(e): _tensor(e, config, dtype, mesh) for e in top_entries}
-        layers = []
+        # The first layer alone compiles the layers' graph; the rest share it, in parallel.
+        layers = [_convert(by_layer[0], config, dtype, mesh, fuse=True)]
+        bar.update(1)
+        futures = [pool.submit(_convert, entries, config, dtype, mesh, True) for entries in by_layer[1:]]
+        top = _convert(top_entries, config, dtype, mesh, fuse=False)
         for f in futures:
             layers.append(f.result())
             bar.update(1)

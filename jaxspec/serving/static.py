@@ -1,6 +1,6 @@
 """The static scheduler: padded batches of similar requests, each decoded to its longest row's end
 by one compiled graph (jaxspec.decoding.loop.decode). Every batch of a call is padded to the
-same number of rows on accelerators (batching.batch_rows), and all of the call's graphs are
+same rows and budget on accelerators (batching.batch_shapes), and all of the call's graphs are
 compiled up front, in parallel."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from jaxspec.decoding.loop import decode
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import batch_rows, bucket, cache_capacity, make_batch, plan_batches
+from jaxspec.serving.batching import batch_shapes, cache_capacity, make_batch, plan_batches
 from jaxspec.serving.requests import Request
 from jaxspec.serving.stats import Completion, completion
 
@@ -21,10 +21,9 @@ from jaxspec.serving.stats import Completion, completion
 def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop, params, attention: str):
     """(request indices, padded batch, decode's static arguments) of each group."""
     out = []
-    for group, rows in zip(groups, batch_rows([len(g) for g in groups])):
+    shapes = batch_shapes([[requests[i] for i in g] for g in groups])
+    for group, (rows, prompt_len, max_out) in zip(groups, shapes):
         reqs = [requests[i] for i in group]
-        prompt_len = bucket(max(len(r.token_ids) for r in reqs))
-        max_out = bucket(max(r.max_new_tokens for r in reqs))
         # Whole on every device of the target's mesh: every process passes the same batch.
         batch = replicate(make_batch(reqs, rows, prompt_len, target.config.pad_token_id), target.mesh)
         static = dict(loop=loop, capacity=cache_capacity(prompt_len, max_out, loop.slack), max_out=max_out,
