@@ -24,7 +24,6 @@ import numpy as np
 from jaxspec.decoding.loop import advance
 from jaxspec.decoding.slots import admit, begin, take_rows
 from jaxspec.decoding.state import RUNNING
-from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
@@ -54,9 +53,7 @@ def run_slots(target: Model, requests, slots: int, loop, params, attention: str,
     caller's order, for rows whose budget says nothing of where they end (EOS).
     on_done(pairs, decode_s, compile_s): called at returns to the host with the (index,
     Completion) pairs that finished, and the seconds spent since its last call. Returns
-    (completions by index, decode_s)."""
-    if admit_order not in ADMIT_ORDERS:
-        raise InputError(f"admit_order must be one of {', '.join(ADMIT_ORDERS)}; got {admit_order!r}")
+    (completions by index, decode_s). admit_order is checked by runner.run."""
     return _Slots(target, dict(requests), slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
                   on_done, admit_order).run()
 
