@@ -56,8 +56,8 @@ def hits() -> int:
 def enable(path: str | os.PathLike | None = None) -> Path | None:
     """Turns the cache on at `path`, or with no path at the folder the module's doc names unless
     this process already chose (an earlier enable or disable, or a folder set on JAX directly);
-    returns the folder in force, or None when off. The engine calls it on load, generate and
-    batch jobs."""
+    returns the folder in force, or None when off. jaxspec.load calls it, so every model that
+    generate() or a batch job runs was loaded with the cache decided."""
     global _decided, _listening
     if not _listening:
         jax.monitoring.register_event_listener(_count_hit)

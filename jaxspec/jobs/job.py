@@ -29,7 +29,6 @@ from pathlib import Path
 
 import jax
 
-from jaxspec import compile_cache
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.errors import InputError
 from jaxspec.jobs import report
@@ -128,7 +127,6 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
         raise InputError('auto needs a draft (a draft model or "ngram") to compare against plain decoding')
     if settings.workers > 1:
         check_ray()
-    compile_cache.enable()
     method = DecodeMethod.of(draft, settings.num_draft_tokens)
     check_pair(target, draft, method)
     canary = candidates(draft, settings) if settings.auto else []

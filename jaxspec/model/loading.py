@@ -76,10 +76,11 @@ def model_folder(path: str | Path) -> tuple[Path, str]:
     """(folder, model name): a folder as given, or for a hub id ("org/name") that is no folder
     here, its snapshot in the Hugging Face cache ($HF_HUB_CACHE), downloaded first where the
     network allows."""
-    if Path(path).is_dir() or not HUB_ID.match(str(path)):
-        if not Path(path).is_dir():
-            raise CheckpointError(f"model folder {path} does not exist (nor is it a hub id such as org/name)")
-        return Path(path), Path(path).name
+    folder = Path(path)
+    if folder.is_dir():
+        return folder, folder.name
+    if not HUB_ID.match(str(path)):
+        raise CheckpointError(f"model folder {path} does not exist (nor is it a hub id such as org/name)")
     from huggingface_hub import snapshot_download  # with transformers; only hub ids need it
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -7,7 +7,6 @@ from typing import Sequence
 
 import jax
 
-from jaxspec import compile_cache
 from jaxspec.checks import check_int
 from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, DecodeMethod
 from jaxspec.decoding.ngram import Ngram
@@ -122,7 +121,6 @@ def generate(
     warning when the call's acceptance rate is below `warn_below_acceptance`.
     """
     check_int(max_batch_size, "max_batch_size", 1)
-    compile_cache.enable()
     draft = resolve_draft(draft, ngram_min, ngram_max, ngram_branches)
     method = DecodeMethod.of(draft, num_draft_tokens, tree)
     check_pair(target, draft, method)
