@@ -4,13 +4,16 @@ really split; a size the heads cannot take is a clear error."""
 
 import jax
 import pytest
+from test_time_to_result import prompt_bucket_pair
 from tiny_models import save_tiny
 
 import jaxspec
 import jaxspec.model.layout
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.model.cache import KVCache
+from jaxspec.decoding.method import DecodeMethod
 from jaxspec.model.checkpoint import convert_hf_checkpoint
+from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 HF = CHECKPOINTS / "hf"
@@ -48,6 +51,19 @@ def test_embedded_pair_split_two_ways_decodes_the_same_tokens(real_pair, split_p
     assert _tokens(ngram) == _tokens(whole)
     assert [c.stats.accepted_per_position for c in ngram] == [
         c.stats.accepted_per_position for c in jaxspec.generate(PROMPTS[:2], target, "ngram", **lookup)]
+
+
+def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_pair):
+    """The shared loop is compiled from the prefill's output shardings: K=3 on the split target
+    gives the whole target's tokens."""
+    target, draft = real_pair
+    split, _ = split_pair
+    requests = prompt_bucket_pair(target.tokenizer)
+    got = run(split, requests, 2, DecodeMethod.of(draft, 3), draft, scheduler="static", groups=[[0, 1], [2, 3]],
+              graphs=jaxspec.GraphCache())
+    assert got.metrics.graphs_compiled == 3
+    whole = jaxspec.generate([list(r.token_ids) for r in requests], target, draft, num_draft_tokens=3, max_new_tokens=40)
+    assert [c.token_ids for c in got] == [c.token_ids for c in whole]
 
 
 def test_restored_shards_are_split(split_pair):

@@ -13,11 +13,14 @@ import pytest
 import jaxspec
 from jaxspec import compile_cache
 from jaxspec.batch import JobSettings, run_job
+from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.workloads import write_humaneval_jsonl
 from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.jobs.local import plan_chunks
 from jaxspec.jobs.records import prepare, read_input
-from jaxspec.serving.batching import batch_shapes, bucket
+from jaxspec.serving.batching import batch_shapes, bucket, cache_capacity
+from jaxspec.serving.requests import Request, SamplingSettings
+from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -42,7 +45,7 @@ def test_a_static_job_compiles_each_shape_once_and_up_front(tmp_path):
         batch_size=4, scheduler="static", plot_path=None, metrics_log=None, progress=False))
     records = [prepare(r, target, JobSettings().defaults) for r in read_input(src)]
     chunks = plan_chunks(records, 4)
-    shapes = set(batch_shapes([[r.request for r in c] for c in chunks]))
+    shapes = set(batch_shapes([[r.request for r in c] for c in chunks], slack=0))
     g = summary["this_run"]["graph_cache"]
     assert g["misses"] == len(shapes) < len(chunks) == summary["this_run"]["batches"]
     assert g["hits"] == 0  # compiled up front, each handed to its batches: no graph looked up twice
@@ -90,11 +93,35 @@ def test_the_cache_folder_follows_the_flag_then_the_environment(tmp_path, monkey
     assert compile_cache.resolve() == tmp_path / "home" / "jaxspec" / "xla"
 
 
-def test_accelerators_pad_every_batch_of_a_call_to_one_row_count_and_budget(monkeypatch):
-    from jaxspec.serving.requests import Request, SamplingSettings
-
+def test_accelerators_pad_every_batch_of_a_call_to_one_row_count_budget_and_capacity(monkeypatch):
     req = lambda n, budget: Request((1,) * n, budget, SamplingSettings(), 0)  # noqa: E731
-    groups = [[req(5, 10)] * 3, [req(40, 300)], [req(20, 60)] * 9]
-    assert batch_shapes(groups) == [(4, 16, 16), (1, 64, 512), (16, 32, 64)]  # the CPU: each its own
+    groups = [[req(5, 10)] * 3, [req(40, 30)], [req(20, 60)] * 9]
+    own = [(4, 16, 16), (1, 64, 32), (16, 32, 64)]  # the CPU: each its own
+    assert batch_shapes(groups, slack=4) == [(r, p, m, cache_capacity(p, m, 4)) for r, p, m in own]
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert batch_shapes(groups) == [(16, 16, 512), (16, 64, 512), (16, 32, 512)]
+    widest = cache_capacity(64, 64, 4)
+    assert widest > cache_capacity(32, 64, 4)
+    assert batch_shapes(groups, slack=4) == [(16, 16, 64, widest), (16, 64, 64, widest), (16, 32, 64, widest)]
+
+
+def prompt_bucket_pair(tokenizer) -> list[Request]:
+    """Four requests, two batches of two, alike in rows, budget and cache capacity (with and
+    without a chain of 3's slack) and unlike in prompt bucket (16, 32)."""
+    prompts = [tokenizer.encode(p)[:n] for p, n in zip(load_prompts(limit=4), (10, 12, 20, 24))]
+    requests = [Request(tuple(p), 40, SamplingSettings(), 0) for p in prompts]
+    for slack in (0, 4):
+        shapes = batch_shapes([requests[:2], requests[2:]], slack)
+        assert [s[1] for s in shapes] == [16, 32] and shapes[0][2:] == shapes[1][2:]
+    return requests
+
+
+def test_batches_that_differ_only_in_their_prompt_bucket_share_one_loop_graph(real_pair):
+    """As on accelerators, where a call pads rows, budget and capacity alike: one prefill per
+    prompt bucket and one loop, and each row's tokens are its own plain decoding's."""
+    target, _ = real_pair
+    requests = prompt_bucket_pair(target.tokenizer)
+    graphs = jaxspec.GraphCache()
+    got = run(target, requests, 2, graphs=graphs, scheduler="static", groups=[[0, 1], [2, 3]])
+    assert got.metrics.graphs_compiled == 3 and graphs.hits == 0
+    alone = jaxspec.generate([list(r.token_ids) for r in requests], target, max_new_tokens=40, max_batch_size=1)
+    assert [c.token_ids for c in got] == [c.token_ids for c in alone]

@@ -9,8 +9,9 @@ argument of jit) with three pure functions over its state pytree:
 
 and the names of the state fields a caller reads back (`result_fields`: out_tokens,
 num_generated, finish, and a speculative loop's rounds and accepted_per_position). `decode`
-runs a fresh batch to the end (the static scheduler); `advance` runs the continuous scheduler's
-slots until enough rows have finished. Both are `run_loop`.
+runs a fresh batch to the end as one graph; `advance` continues a state (slots.begin's or
+slots.admit's) until enough rows have finished or no row runs: the schedulers' loop, one graph
+for every prompt length of a call. Both are `run_loop`.
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ def run_loop(loop: Loop, weights, params, batch: Batch, state, greedy_only: bool
     return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
 
 
-def results(loop: Loop, state) -> dict:
-    """The fields a caller reads back; rows still running stopped because the cache is full."""
-    out = {f: getattr(state, f) for f in loop.result_fields}
-    out["finish"] = jnp.where(state.finish == RUNNING, FINISH_LENGTH, state.finish)
-    return out
+def read_back(loop: Loop, state) -> dict:
+    """The state's fields a caller reads back (loop.result_fields)."""
+    return {f: getattr(state, f) for f in loop.result_fields}
+
+
+def results(fields: dict, xp=jnp) -> dict:
+    """read_back()'s fields, on the device or (xp=numpy) the host, with the rows still running
+    marked as stopped by length: their cache is full."""
+    return {**fields, "finish": xp.where(fields["finish"] == RUNNING, FINISH_LENGTH, fields["finish"])}
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only", "attention"))
@@ -69,7 +74,7 @@ def decode(weights, params, batch: Batch, *, loop: Loop, capacity: int, max_out:
            attention: str = "xla") -> dict:
     """Prefill and the whole loop over a fresh batch as one compiled graph -> results()."""
     state = loop.start(weights, params, batch, capacity, max_out, greedy_only)
-    return results(loop, run_loop(loop, weights, params, batch, state, greedy_only, attention))
+    return results(read_back(loop, run_loop(loop, weights, params, batch, state, greedy_only, attention)))
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "greedy_only", "attention"), donate_argnames=("state",))

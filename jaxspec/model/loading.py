@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.checkpoint import is_converted, read_checkpoint
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.hf_loading import load_hf_weights
+from jaxspec.model.tokenizer import load_tokenizer
 from jaxspec.model.sharding import (
     check_tensor_parallel,
     make_mesh,
@@ -37,7 +37,7 @@ def default_dtype():
 class Model:
     config: ModelConfig
     weights: Weights  # arrays in `dtype`, on the default device
-    tokenizer: object | None  # a transformers tokenizer, or None when the folder has none
+    tokenizer: object | None  # tokenizer.load_tokenizer's: encode/decode as transformers', None without one
     name: str  # folder name, logged as the model id
     path: Path
     dtype: jnp.dtype
@@ -47,25 +47,6 @@ class Model:
     @property
     def tensor_parallel(self) -> int:
         return 1 if self.weights.mesh is None else self.weights.mesh.size
-
-
-def _load_tokenizer(path: Path):
-    """The folder's tokenizer, of the class its tokenizer_config.json names, as AutoTokenizer would
-    pick it. Named classes come straight from transformers: AutoTokenizer's lookup imports torch
-    where it is installed, which made a tokenizer take 11 s to load on the H200 machine (0.8 s
-    this way); a folder that names none goes through AutoTokenizer."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    import transformers  # lazily: its attributes import only what they name
-
-    try:
-        named = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, json.JSONDecodeError):
-        named = None
-    cls = getattr(transformers, named, None) if isinstance(named, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
-        cls = transformers.AutoTokenizer
-    return cls.from_pretrained(str(path))
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hugging Face hub names models
@@ -124,7 +105,7 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
         weights = weights_from_fields(config, fields, dtype, mesh)
     else:
         weights = load_hf_weights(path, config, dtype, mesh)
-    return Model(serving_config(config, tp), weights, _load_tokenizer(path), name, path, dtype, mesh)
+    return Model(serving_config(config, tp), weights, load_tokenizer(path), name, path, dtype, mesh)
 
 
 def replicated_on(model: Model, mesh) -> Model:

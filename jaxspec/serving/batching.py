@@ -19,21 +19,23 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def batch_shapes(groups: list[list[Request]]) -> list[tuple[int, int, int]]:
-    """(rows, prompt length, budget) each batch of a call is padded to. On accelerators every
-    batch takes the call's largest rows and budget, so batches of one prompt bucket share one
-    graph: a decode step there reads its weights once whatever the rows (B <= 64), the fused
-    attention kernel reads each row's own length whatever the cache's capacity, and the loop ends
-    at the rows' own budgets. (The 164-record job's 21 static batches had compiled 19 graphs,
-    3-4 s each on an H200.) On the CPU a padded row costs as much as a real one (rows padded to
-    16 made that job decode 2.9x slower there, 278 against 95 s) and XLA's attention reads the
-    whole cache, so each batch keeps its own powers of two."""
+def batch_shapes(groups: list[list[Request]], slack: int) -> list[tuple[int, int, int, int]]:
+    """(rows, prompt length, budget, cache capacity) each batch of a call is padded to (slack:
+    the loop's cache slots past a row's budget). On accelerators every batch takes the call's
+    largest rows, budget and capacity, so all batches share one loop graph and differ only in
+    their prefill's prompt bucket: a decode step there reads its weights once whatever the rows
+    (B <= 64), the fused attention kernel reads each row's own length whatever the cache's
+    capacity, and the loop ends at the rows' own budgets. (The 164-record job's 21 static batches
+    had compiled 19 graphs, 3-4 s each on an H200.) On the CPU a padded row costs as much as a
+    real one (rows padded to 16 made that job decode 2.9x slower there, 278 against 95 s) and
+    XLA's attention reads the whole cache, so each batch keeps its own powers of two."""
     own = [(bucket(len(g), 1), bucket(max(len(r.token_ids) for r in g)), bucket(max(r.max_new_tokens for r in g)))
            for g in groups]
     if jax.default_backend() == "cpu":
-        return own
-    rows, budget = max(s[0] for s in own), max(s[2] for s in own)
-    return [(rows, prompt_len, budget) for _, prompt_len, _ in own]
+        return [(rows, p, m, cache_capacity(p, m, slack)) for rows, p, m in own]
+    rows, max_out = max(s[0] for s in own), max(s[2] for s in own)
+    capacity = cache_capacity(max(s[1] for s in own), max_out, slack)
+    return [(rows, prompt_len, max_out, capacity) for _, prompt_len, _ in own]
 
 
 def plan_batches(requests: list[Request], max_batch_size: int) -> list[list[int]]:

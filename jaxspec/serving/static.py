@@ -1,35 +1,94 @@
-"""The static scheduler: padded batches of similar requests, each decoded to its longest row's end
-by one compiled graph (jaxspec.decoding.loop.decode). Every batch of a call is padded to the
-same rows and budget on accelerators (batching.batch_shapes), and all of the call's graphs are
-compiled up front, in parallel."""
+"""The static scheduler: padded batches of similar requests, each decoded to its longest row's end.
+
+On accelerators every batch of a call is padded to the same rows, budget and cache capacity
+(batching.batch_shapes), so its batches differ only in their prompt bucket: each then runs as
+two graphs, its bucket's prefill (slots.begin) and the call's one loop (loop.advance), and a call
+compiles one loop whatever its prompt lengths. Where every batch has a loop shape of its own (the
+CPU), each runs as one graph (loop.decode). All of a call's graphs are compiled up front, in
+parallel."""
 
 from __future__ import annotations
 
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxspec.decoding.loop import decode
+from jaxspec.decoding.loop import advance, decode, read_back, results
+from jaxspec.decoding.slots import begin
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import batch_shapes, cache_capacity, make_batch, plan_batches
+from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches
 from jaxspec.serving.requests import Request
 from jaxspec.serving.stats import Completion, completion
 
 
-def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop, params, attention: str):
-    """(request indices, padded batch, decode's static arguments) of each group."""
+def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop):
+    """(request indices, padded batch, begin's static arguments) of each group."""
     out = []
-    shapes = batch_shapes([[requests[i] for i in g] for g in groups])
-    for group, (rows, prompt_len, max_out) in zip(groups, shapes):
+    shapes = batch_shapes([[requests[i] for i in g] for g in groups], loop.slack)
+    for group, (rows, prompt_len, max_out, capacity) in zip(groups, shapes):
         reqs = [requests[i] for i in group]
         # Whole on every device of the target's mesh: every process passes the same batch.
         batch = replicate(make_batch(reqs, rows, prompt_len, target.config.pad_token_id), target.mesh)
-        static = dict(loop=loop, capacity=cache_capacity(prompt_len, max_out, loop.slack), max_out=max_out,
-                      greedy_only=all(r.sampling.greedy for r in reqs), attention=attention)
-        out.append((group, batch, static))
+        out.append((group, batch, dict(loop=loop, capacity=capacity, max_out=max_out,
+                                       greedy_only=all(r.sampling.greedy for r in reqs))))
     return out
+
+
+def _to_the_end(batch, start: dict) -> tuple:
+    """advance's `need` and `max_steps`: more rows than the batch has, and its budget (a step
+    commits at least one token per running row)."""
+    return jnp.int32(batch.prompt_lens.shape[0] + 1), jnp.int32(start["max_out"])
+
+
+def _loop_static(start: dict, attention: str) -> dict:
+    return dict(loop=start["loop"], greedy_only=start["greedy_only"], attention=attention)
+
+
+def _shares_loops(batches) -> bool:
+    """Whether some batches differ only in their prompt bucket (then the loop is a graph of its own)."""
+    shape = lambda b, start: (b.prompt_lens.shape[0], *sorted(start.items()))  # noqa: E731
+    return len({shape(b, s) for _, b, s in batches}) < len({(shape(b, s), b.tokens.shape) for _, b, s in batches})
+
+
+def _precompile(target: Model, batches, params, attention: str, graphs: GraphCache, shared: bool):
+    """-> (seconds, per batch: its graphs' executables, None where past the cache's size). Shared
+    loops are compiled from their prefills' output shapes and shardings, after them."""
+    w = target.weights
+    if not shared:
+        spent, exes = graphs.precompile([(decode, {**start, "attention": attention}, (w, params, batch))
+                                         for _, batch, start in batches])
+        return spent, [(exe,) for exe in exes]
+    spent, starts = graphs.precompile([(begin, start, (w, params, batch)) for _, batch, start in batches])
+    calls = [(advance, _loop_static(start, attention),
+              (w, params, exe.out_info[1], exe.out_info[0], *_to_the_end(batch, start)))
+             for exe, (_, batch, start) in zip(starts, batches) if exe is not None]
+    more, loops = graphs.precompile(calls)
+    loops = iter(loops)
+    return spent + more, [(exe, next(loops) if exe is not None else None) for exe in starts]
+
+
+def _call(graphs: GraphCache, exe, fn, static: dict, *args) -> tuple[object, float]:
+    """(fn's result, seconds spent compiling it now: a graph past the cache's size compiles as its turn comes)."""
+    spent = 0.0
+    if exe is None:
+        exe, spent = graphs.executable(fn, static, *args)
+    return exe(*args), spent
+
+
+def _decode(target: Model, batch, start: dict, params, attention: str, graphs: GraphCache, exes, shared: bool):
+    """One batch to its end -> (its results on the host, seconds spent compiling)."""
+    w = target.weights
+    if not shared:
+        out, spent = _call(graphs, exes[0], decode, {**start, "attention": attention}, w, params, batch)
+        return jax.device_get(out), spent
+    (state, slot_batch), spent = _call(graphs, exes[0], begin, start, w, params, batch)
+    state, more = _call(graphs, exes[1], advance, _loop_static(start, attention), w, params, slot_batch, state,
+                        *_to_the_end(batch, start))
+    return results(jax.device_get(read_back(start["loop"], state)), np), spent + more
 
 
 def run_static(target: Model, requests: list[Request], max_batch_size: int, loop, params, attention: str,
@@ -40,21 +99,19 @@ def run_static(target: Model, requests: list[Request], max_batch_size: int, loop
     decode_s, compile_s) after each batch with its (request index, Completion) pairs. Returns
     (completions in request order, decode seconds)."""
     groups = groups if groups is not None else plan_batches(requests, max_batch_size)
-    batches = _batches(target, requests, groups, loop, params, attention)
-    compile_s, executables = graphs.precompile([(decode, static, (target.weights, params, batch))
-                                                for _, batch, static in batches])
-    results: list[Completion | None] = [None] * len(requests)
+    batches = _batches(target, requests, groups, loop)
+    shared = _shares_loops(batches)
+    compile_s, executables = _precompile(target, batches, params, attention, graphs, shared)
+    done: list[Completion | None] = [None] * len(requests)
     decode_s = 0.0
-    for (group, batch, static), exe in zip(batches, executables):
-        spent = 0.0
-        if exe is None:  # past the cache's size: compiled as its turn comes
-            exe, spent = graphs.executable(decode, static, target.weights, params, batch)
+    for (group, batch, start), exes in zip(batches, executables):
         t0 = time.perf_counter()
-        out = jax.device_get(exe(target.weights, params, batch))
-        decode_s += time.perf_counter() - t0
+        out, spent = _decode(target, batch, start, params, attention, graphs, exes, shared)
+        took = time.perf_counter() - t0 - spent
+        decode_s += took
         for row, i in enumerate(group):
-            results[i] = completion(target.tokenizer, requests[i], out, row)
+            done[i] = completion(target.tokenizer, requests[i], out, row)
         if on_done is not None:
-            on_done([(i, results[i]) for i in group], time.perf_counter() - t0, spent + compile_s)
+            on_done([(i, done[i]) for i in group], took, spent + compile_s)
         compile_s = 0.0  # the up-front compiles are reported once, with the first batch
-    return results, decode_s
+    return done, decode_s
