@@ -1,6 +1,7 @@
 """Where a job's start-up goes on this machine (issue 23 probe): the seconds of each step of
 loading the embedded target, and how XLA compiles several decode graphs, serially against in
-threads. python docs/bench/startup_probe.py load|compile"""
+threads, and where a converted checkpoint's load goes.
+python docs/bench/startup_probe.py load | compile | converted DIR"""
 
 import concurrent.futures
 import sys
@@ -16,9 +17,11 @@ T1 = t()
 import jax.numpy as jnp  # noqa: E402
 
 import jaxspec  # noqa: E402
-from jaxspec.model import loading  # noqa: E402
+from jaxspec.model.checkpoint import read_checkpoint  # noqa: E402
 from jaxspec.model.config import load_config  # noqa: E402
 from jaxspec.model.hf_loading import load_hf_weights  # noqa: E402
+from jaxspec.model.tokenizer import load_tokenizer  # noqa: E402
+from jaxspec.model.weights import weights_from_fields  # noqa: E402
 
 T2 = t()
 compiles = []
@@ -29,7 +32,7 @@ HF = Path("checkpoints/hf/code-target-16m")
 
 def load_probe():
     print(f"jax import + backend {T1 - T0:.2f} s, import jaxspec {T2 - T1:.2f} s", flush=True)
-    a = t(); tok = loading._load_tokenizer(HF); b = t()  # noqa: E702
+    a = t(); tok = load_tokenizer(HF); b = t()  # noqa: E702
     print(f"tokenizer {b - a:.2f} s ({type(tok).__name__})", flush=True)
     c = load_config(HF)
     for i in range(2):
@@ -66,4 +69,28 @@ def compile_probe():
     print(f"4 compiles in 4 threads {t() - a:.2f} s", flush=True)
 
 
-{"load": load_probe, "compile": compile_probe}[sys.argv[1]]()
+def converted_probe(folder):
+    folder = Path(folder)
+    c = load_config(folder)
+    a = t(); fields = read_checkpoint(folder, c); b = t()  # noqa: E702
+    print(f"orbax restore to the host {b - a:.2f} s ({sum(f.nbytes for f in fields.values()) / 1e9:.2f} GB)", flush=True)
+    w = weights_from_fields(c, fields, jnp.bfloat16)
+    jax.block_until_ready(w); d = t()  # noqa: E702
+    print(f"weights_from_fields {d - b:.2f} s", flush=True)
+    del w, fields
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    a = t(); fields = read_checkpoint(folder, c, {f: one for f in ("embed",)} | _all(c, one)); b = t()  # noqa: E702
+    jax.block_until_ready(fields)
+    print(f"orbax restore straight to the device {t() - a:.2f} s", flush=True)
+    w = weights_from_fields(c, fields, jnp.bfloat16)
+    jax.block_until_ready(w)
+    print(f"weights_from_fields from device arrays {t() - b:.2f} s", flush=True)
+
+
+def _all(config, sharding):
+    from jaxspec.model.weights import param_specs
+
+    return {p.field: sharding for p in param_specs(config)}
+
+
+{"load": load_probe, "compile": compile_probe, "converted": lambda: converted_probe(sys.argv[2])}[sys.argv[1]]()
