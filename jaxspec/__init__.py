@@ -6,6 +6,10 @@ import os
 # advice is noise here (set the variable to 0 to see transformers' advice again).
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from jaxspec import xla_flags  # noqa: E402
+
+xla_flags.apply()  # before any backend starts: jaxspec/xla_flags.py says what and why
+
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecError
 from jaxspec.graphs import GraphCache

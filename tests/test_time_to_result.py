@@ -21,6 +21,7 @@ from jaxspec.jobs.records import prepare, read_input
 from jaxspec.serving.batching import batch_shapes, bucket, cache_capacity
 from jaxspec.serving.requests import Request, SamplingSettings
 from jaxspec.serving.runner import run
+from jaxspec.xla_flags import with_defaults
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -125,3 +126,10 @@ def test_batches_that_differ_only_in_their_prompt_bucket_share_one_loop_graph(re
     assert got.metrics.graphs_compiled == 3 and graphs.hits == 0
     alone = jaxspec.generate([list(r.token_ids) for r in requests], target, max_new_tokens=40, max_batch_size=1)
     assert [c.token_ids for c in got] == [c.token_ids for c in alone]
+
+
+def test_importing_jaxspec_sets_the_gpu_autotune_level_unless_the_user_chose_one():
+    assert with_defaults("") == "--xla_gpu_autotune_level=1"
+    assert with_defaults("--xla_dump_to=/x") == "--xla_dump_to=/x --xla_gpu_autotune_level=1"
+    assert with_defaults("--xla_gpu_autotune_level=4") == "--xla_gpu_autotune_level=4"
+    assert "--xla_gpu_autotune_level=1" in os.environ["XLA_FLAGS"]  # and XLA on the CPU accepts it

@@ -101,7 +101,11 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     tp = check_tensor_parallel(config, tensor_parallel, path.name)
     mesh = make_mesh(tp) if tp > 1 else None
     if is_converted(path):
-        fields = read_checkpoint(path, config, None if mesh is None else field_shardings(config, mesh))
+        # Straight into device memory (each device its own shards): a host copy first made the 8B
+        # shape's load 12.8 s on an H200 against 9.7 s this way.
+        shardings = field_shardings(config, mesh) if mesh is not None else dict.fromkeys(
+            field_shardings(config, None), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        fields = read_checkpoint(path, config, shardings)
         weights = weights_from_fields(config, fields, dtype, mesh)
     else:
         weights = load_hf_weights(path, config, dtype, mesh)
