@@ -1,0 +1,87 @@
+"""The weight matmul kernel (pallas_kernels/matmul.py): against a float32 reference in interpret
+mode on the CPU for float, int8 and fp8 weights; the same bits for a row whatever the rows beside
+it; clear errors; and ahead-of-time lowering for ROCm (gfx942) and CUDA (H200)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from pallas_kernels.matmul import _fp8_bits_to_f16, matmul, matmul_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def weights(rng, k, n, fmt):
+    """(w as the kernel takes it, scale [n] or None)."""
+    if fmt == "int8":
+        return jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8), jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    if fmt == "fp8":
+        w = jnp.asarray(rng.standard_normal((k, n)) * 8, jnp.float8_e4m3fn)
+        return jax.lax.bitcast_convert_type(w, jnp.uint8), jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    return jnp.asarray(rng.standard_normal((k, n)) / 16, jnp.bfloat16), None
+
+
+def test_fp8_bits_decode_to_every_e4m3fn_value():
+    bits = jnp.arange(256, dtype=jnp.uint8)
+    decoded = np.asarray(_fp8_bits_to_f16(bits).astype(jnp.float32)) * 2.0 ** 8
+    exact = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
+    finite = ~np.isnan(exact)
+    assert finite.sum() == 254 and np.array_equal(decoded[finite], exact[finite])
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (5, 384, 640), (20, 256, 128)])
+def test_kernel_matches_the_float32_reference(fmt, m, k, n):
+    rng = np.random.default_rng(m * k + n)
+    w, scale = weights(rng, k, n, fmt)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    got = np.asarray(matmul(x, w, scale, fmt=fmt, interpret=True).astype(jnp.float32))
+    want = np.asarray(matmul_reference(x, w, scale, fmt))
+    # bf16 output: half a unit in its 8-bit significand, plus float32 sums of k terms.
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -8, atol=1e-5 * np.abs(want).max())
+
+
+def test_float32_inputs_are_summed_in_float32():
+    rng = np.random.default_rng(1)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((3, 128), (128, 64)))
+    np.testing.assert_allclose(matmul(x, w, interpret=True), matmul_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
+def test_a_row_gives_the_same_bits_alone_and_beside_any_other_rows(fmt):
+    """Alone, in a batch of 5 with other neighbours, and as row 9 of a verify-sized 17."""
+    rng = np.random.default_rng(7)
+    w, scale = weights(rng, 256, 128, fmt)
+    row = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+    alone = matmul(row, w, scale, fmt=fmt, interpret=True)
+    for rows, at in ((5, 3), (17, 9)):
+        others = jnp.asarray(rng.standard_normal((rows, 256)) * 4, jnp.bfloat16)
+        batch = others.at[at].set(row[0])
+        assert np.array_equal(np.asarray(matmul(batch, w, scale, fmt=fmt, interpret=True)[at]), np.asarray(alone[0]))
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.int8)), {"fmt": "int4"}, "fmt must be one of"),
+    ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)), {"fmt": "int8"}, "must be int8"),
+    ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((32, 32), jnp.bfloat16)), {}, r"w must be \[k=64, n\]"),
+    ((jnp.ones((2, 72), jnp.bfloat16), jnp.ones((72, 32), jnp.bfloat16)), {}, "k 72 must be a multiple of 16"),
+])
+def test_bad_operands_are_refused_by_name(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        matmul(*args, interpret=True, **kwargs)
+
+
+@pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
+@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt):
+    """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200."""
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
+    w_dtype = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((4, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), w_dtype),
+            jax.ShapeDtypeStruct((6144,), jnp.float32))
+    with use_abstract_mesh(mesh):
+        lowered = matmul.trace(*args, fmt=fmt).lower(lowering_platforms=(platform,))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text and f"matmul_{fmt}" in text
