@@ -24,6 +24,7 @@ from jaxspec.jobs.report import format_summary, write_json
 from jaxspec.jobs.settings import AUTO_KS, AUTO_NGRAM_KS, JobSettings
 from jaxspec.model.checkpoint import convert_hf_checkpoint
 from jaxspec.model.loading import load
+from jaxspec.model.quantize import SCHEMES
 from jaxspec.serving.generate import generate
 
 
@@ -54,6 +55,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed; each prompt gets its own stream")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--quantize", choices=SCHEMES, default=None,
+                   help="the target's projections in 8 bits, a float32 scale per output channel (default: none)")
+    p.add_argument("--draft-quantize", choices=SCHEMES, default=None,
+                   help="the draft model's projections in 8 bits (default: none)")
     p.add_argument("--compile-cache", metavar="DIR|off",
                    help=f"keep compiled graphs in DIR across runs, or 'off' (default: ${compile_cache.ENV}, else "
                         f"{compile_cache.default_dir()})")
@@ -71,7 +76,7 @@ def load_draft(args, path):
     """--draft: "ngram" (n-gram lookup settings, checked), or a draft model folder."""
     if path == "ngram":
         return Ngram(args.ngram_min, args.ngram_max, args.ngram_branches)
-    return load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
+    return load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel, quantize=args.draft_quantize)
 
 
 def _print_completions(prompts, outs, as_json: bool) -> None:
@@ -108,7 +113,8 @@ def run_generate(args) -> int:
         raise JaxspecError("give at least one prompt: PROMPT arguments or --file")
     if args.compare_plain and not args.draft:
         raise JaxspecError("--compare-plain needs --draft: it compares speculative decoding with plain decoding")
-    target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
+                  quantize=args.quantize)
     draft = load_draft(args, args.draft) if args.draft else None
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, tree=args.tree,
@@ -244,7 +250,8 @@ def run_batch(args) -> int:
     settings = job_settings(args)
     check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
     t0 = time.perf_counter()
-    target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
+                  quantize=args.quantize)
     draft = None if args.no_draft else load_draft(args, args.draft or embedded_model(DEFAULT_DRAFT))
     load_s = time.perf_counter() - t0
     with _jaxspec_logging():

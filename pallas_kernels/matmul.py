@@ -6,7 +6,7 @@ Layout:
   x      [m, k]  activations (bf16 or float32)
   w      [k, n]  weights: x's dtype, int8, or fp8 e4m3fn given as its uint8 bits (FORMATS)
   scale  [n]     float32 per output channel (None: no scaling)
-  -> out [m, n]  in x's dtype
+  -> out [m, n]  in x's dtype (or out_dtype: float32 for logits)
 
 Grid (n / block_n, m / block_m, rows padded to block_m): each program owns one block_m x block_n
 output tile and reduces over all of k in blocks of block_k, in order, with one float32
@@ -93,10 +93,12 @@ def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "block_k", "block_n", "num_warps", "num_stages", "interpret"))
-def matmul(x, w, scale=None, *, fmt: str = "float", block_k: int = 128, block_n: int = 64, num_warps: int = 4,
-           num_stages: int = 2, interpret: bool = False):
-    """x [m, k] @ w [k, n] (times scale [n]) -> [m, n] in x's dtype; see the module docstring."""
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_k", "block_n", "num_warps", "num_stages",
+                                             "interpret"))
+def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_k: int = 128, block_n: int = 64,
+           num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """x [m, k] @ w [k, n] (times scale [n]) -> [m, n] in out_dtype (default x's); see the
+    module docstring."""
     if fmt not in FORMATS:
         raise ValueError(f"matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
@@ -121,7 +123,7 @@ def matmul(x, w, scale=None, *, fmt: str = "float", block_k: int = 128, block_n:
         grid=(n // block_n, rows // BLOCK_M),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"matmul_{fmt}",

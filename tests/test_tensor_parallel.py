@@ -66,6 +66,18 @@ def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_p
     assert [c.token_ids for c in got] == [c.token_ids for c in whole]
 
 
+def test_a_quantized_target_split_two_ways_decodes_its_whole_tokens(split_pair):
+    """8-bit values split as their projections, scales by the output axes they keep."""
+    whole = jaxspec.load(HF / "code-target-16m", dtype="float32", quantize="int8")
+    split = jaxspec.load(HF / "code-target-16m", dtype="float32", quantize="int8", tensor_parallel=2)
+    assert _shard_shape(split.weights.layers.wqkv.scale)[1] == split.config.num_kv_heads // 2
+    kw = dict(max_new_tokens=24)
+    assert _tokens(jaxspec.generate(PROMPTS, split, **kw)) == _tokens(jaxspec.generate(PROMPTS, whole, **kw))
+    draft = split_pair[1]
+    assert _tokens(jaxspec.generate(PROMPTS[:2], split, draft, num_draft_tokens=3, **kw)) == _tokens(
+        jaxspec.generate(PROMPTS[:2], whole, **kw))
+
+
 def test_restored_shards_are_split(split_pair):
     split, draft = split_pair
     c, w = split.config, split.weights

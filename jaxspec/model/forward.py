@@ -8,6 +8,7 @@ head, k head dim, f ffn, v vocab.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,11 @@ from jax.sharding import PartitionSpec
 
 from jaxspec.model.cache import KVCache, cache_specs
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.quantize import Quantized, stored_values
 from jaxspec.model.rope import apply_rope, inverse_frequencies, rope_tables
 from jaxspec.model.sharding import TP, local_config
 from jaxspec.model.weights import LayerWeights, Weights, weight_specs
+from pallas_kernels.matmul import matmul
 from pallas_kernels.tree_attention import BLOCK_K, tree_attention
 
 
@@ -67,13 +70,37 @@ def _einsum(spec: str, a, b, **kwargs):
     return jnp.einsum(spec, a, b, precision=precision, **kwargs)
 
 
+KERNEL_MAX_ROWS = 256  # 8-bit weights: decode, verify and draft rows take the kernel, a prefill XLA
+
+
+def _quantized(x, q: Quantized, out_dtype=None):
+    """x [..., q's contracted axes] @ q -> [..., q's output axes] in out_dtype (default x's): float32
+    sums of x times the 8-bit values (exact in x's dtype), then the scales. The 8-bit kernel on
+    accelerators for up to KERNEL_MAX_ROWS rows; XLA on the converted values elsewhere (the
+    CPU, and prefills, which are compute-bound)."""
+    k = math.prod(q.shape[: q.contract])
+    out_axes = q.shape[q.contract :]
+    x2 = x.reshape(-1, k)
+    n = math.prod(out_axes)
+    out_dtype = out_dtype or x.dtype
+    if jax.default_backend() != "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
+        out = matmul(x2, q.values.reshape(k, n), q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype)
+    else:
+        w = stored_values(q).reshape(k, n).astype(x.dtype)
+        out = (_einsum("mk,kn->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
+    return out.reshape(*x.shape[: x.ndim - q.contract], *out_axes)
+
+
 def _project(spec: str, x, w, pad_one_row: bool, **kwargs):
-    """A weight matmul of activations x [b, t, ...]. pad_one_row (the accelerators' layout): XLA's
+    """A weight matmul of activations x [b, t, ...] (8-bit weights: _quantized, whose contracted
+    axes lead w's as in every projection's spec). pad_one_row (the accelerators' layout): XLA's
     GPU simplifier rewrites a vector-matrix product with a matrix under 10M elements into
     multiply + reduce kernels, which ran the 1B draft's q/k/v and o projections far below the
     memory bandwidth (a one-token pass took 1.24 ms against 1.01 ms for two, H200). A zero row
     keeps a one-row product on the GEMM path; the barrier stops the simplifier from seeing
     through it."""
+    if isinstance(w, Quantized):
+        return _quantized(x, w, kwargs.get("preferred_element_type"))
     if not (pad_one_row and x.shape[0] * x.shape[1] == 1):
         return _einsum(spec, x, w, **kwargs)
     padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))

@@ -23,7 +23,8 @@ from jaxspec.model.sharding import (
     replicate,
     serving_config,
 )
-from jaxspec.model.weights import Weights, field_shardings, weights_from_fields
+from jaxspec.model.quantize import check_scheme
+from jaxspec.model.weights import Weights, field_shardings, quantize_weights, weights_from_fields
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -43,6 +44,7 @@ class Model:
     dtype: jnp.dtype
     mesh: object = None  # the jax.sharding.Mesh its arrays are on (split or whole); None: the default device
     graphs: GraphCache = dataclasses.field(default_factory=GraphCache)  # compiled graphs run with it as target
+    quantize: str | None = None  # "int8" / "fp8": its projections in 8 bits (jaxspec.model.quantize)
 
     @property
     def tensor_parallel(self) -> int:
@@ -81,7 +83,8 @@ def model_folder(path: str | Path) -> tuple[Path, str]:
         ) from None
 
 
-def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel: int = 1) -> Model:
+def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel: int = 1,
+         quantize: str | None = None) -> Model:
     """Loads a model folder: converted (has jaxspec.json) or HF (config.json + *.safetensors), or a
     Hugging Face hub id ("meta-llama/Llama-3.1-8B") from the hub's cache (downloaded if need be).
 
@@ -89,7 +92,11 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     tensor_parallel: split the model over this many devices (the first N of jax.devices(), over
     all hosts under jax.distributed), by heads, ffn columns and vocabulary (jaxspec.model.sharding).
     A converted checkpoint is restored straight into each device's shards.
+    quantize: "int8" or "fp8" (e4m3fn): the projections in 8 bits with a float32 scale per output
+    channel, embeddings and norms in `dtype` (jaxspec.model.quantize); decode steps then read
+    about half the bytes.
     """
+    check_scheme(quantize)
     path, name = model_folder(path)
     compile_cache.enable()  # on by default (jaxspec.compile_cache): graphs compiled once per machine
     if isinstance(dtype, str):
@@ -109,7 +116,10 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
         weights = weights_from_fields(config, fields, dtype, mesh)
     else:
         weights = load_hf_weights(path, config, dtype, mesh)
-    return Model(serving_config(config, tp), weights, load_tokenizer(path), name, path, dtype, mesh)
+    config = serving_config(config, tp)
+    if quantize is not None:
+        weights = quantize_weights(weights, config, quantize)
+    return Model(config, weights, load_tokenizer(path), name, path, dtype, mesh, quantize=quantize)
 
 
 def replicated_on(model: Model, mesh) -> Model:

@@ -10,10 +10,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.model import layout
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.quantize import Quantized, check_scheme, quantize, quantize_layer
 from jaxspec.model.sharding import (
     kv_repeats,
     named,
@@ -82,17 +83,23 @@ def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
     tp = 1 if weights.mesh is None else weights.mesh.size
     split = lambda axes: split_axes(axes, config, tp)  # noqa: E731
 
+    def spec_of(value, axes, stacked: bool):
+        if isinstance(value, Quantized):  # the scales keep the output axes
+            return value.replace(values=spec(split(axes), stacked), scale=spec(split(axes[value.contract :]), stacked))
+        return spec(split(axes), stacked)
+
     def layer_specs(layer: LayerWeights) -> LayerWeights:
         out = {}
         for f in dataclasses.fields(LayerWeights):
             value = getattr(layer, f.name)
             if isinstance(value, tuple):
-                out[f.name] = tuple(spec(split(SPLIT_MLP_AXES[f.name]), stacked) for _ in value)
+                out[f.name] = tuple(spec_of(v, SPLIT_MLP_AXES[f.name], stacked) for v in value)
             elif value is not None:
-                out[f.name] = spec(split(LAYER_AXES[f.name]), stacked)
+                out[f.name] = spec_of(value, LAYER_AXES[f.name], stacked)
         return LayerWeights(**out)
 
-    top = {name: spec(split(axes)) for name, axes in TOP_AXES.items() if getattr(weights, name) is not None}
+    top = {name: spec_of(getattr(weights, name), axes, False) for name, axes in TOP_AXES.items()
+           if getattr(weights, name) is not None}
     layers = layer_specs(weights.layers) if stacked else tuple(map(layer_specs, weights.layers))
     return Weights(layers=layers, mesh=weights.mesh, **top)
 
@@ -253,3 +260,30 @@ def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | No
         layer |= {name: repeat_kv_heads(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
     stacked = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
     return place(Weights(layers=stacked, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "stacked"))
+def _quantized_layer(layer: LayerWeights, *, fmt: str, stacked: bool) -> LayerWeights:
+    return quantize_layer(layer, fmt, stacked)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _quantized_head(lm_head, *, fmt: str) -> Quantized:
+    return quantize(lm_head, 1, fmt)
+
+
+def quantize_weights(weights: Weights, config: ModelConfig, fmt: str) -> Weights:
+    """`weights` with their projections in 8 bits (jaxspec.model.quantize), converted on the
+    devices a layer at a time (one compiled graph for all layers), each 8-bit array and scale on
+    the shards its projection had. config: the one the weights run with (serving_config)."""
+    check_scheme(fmt)
+    if isinstance(weights.layers, tuple):
+        layers = tuple(_quantized_layer(layer, fmt=fmt, stacked=False) for layer in weights.layers)
+    else:
+        layers = _quantized_layer(weights.layers, fmt=fmt, stacked=True)
+    lm_head = None if weights.lm_head is None else _quantized_head(weights.lm_head, fmt=fmt)
+    out = weights.replace(layers=layers, lm_head=lm_head)
+    if weights.mesh is None:
+        return out
+    specs = weight_specs(out, config)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(weights.mesh, s)), out, specs)

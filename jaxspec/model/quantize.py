@@ -1,0 +1,91 @@
+"""8-bit weights: the projections (q/k/v, o, gate/up, down and an untied lm_head) stored as int8 or
+fp8 e4m3fn with one float32 scale per output channel; embeddings and norms stay in the model's
+dtype. A decode step reads every weight once, so 8 bits per weight halve what it reads; the
+matmul kernel (pallas_kernels/matmul.py) converts them in registers.
+
+fp8 is e4m3fn on every backend, kept as its uint8 bits: the kernel decodes them with integer
+operations, so it needs neither fp8 hardware nor Triton's fp8 casts (ROCm's MI300 computes in
+e4m3fnuz, which the weights never need to be).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.errors import InputError
+
+SCHEMES = ("int8", "fp8")
+LIMITS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores
+# Projections and how many leading axes of each the matmul sums over (their inputs' trailing axes).
+CONTRACTED = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
+
+
+@struct.dataclass
+class Quantized:
+    """One projection in 8 bits. values: the weight's shape, int8 or fp8 e4m3fn bits (uint8);
+    scale [the weight's axes past the `contract` leading ones] float32: weight = values * scale."""
+
+    values: jnp.ndarray
+    scale: jnp.ndarray
+    fmt: str = struct.field(pytree_node=False)  # "int8" or "fp8"
+    contract: int = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+def check_scheme(scheme: str | None, field: str = "quantize") -> str | None:
+    if scheme is not None and scheme not in SCHEMES:
+        raise InputError(f"{field} must be one of {', '.join(SCHEMES)} (or None: the model's dtype); got {scheme!r}")
+    return scheme
+
+
+def quantize(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False) -> Quantized:
+    """w in `fmt` with symmetric per-output-channel scales (the largest magnitude over the
+    `contract` leading axes maps to the format's largest value). stacked: w has a leading layer
+    axis first, which keeps its own scales."""
+    lead = 1 if stacked else 0
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=tuple(range(lead, lead + contract)), keepdims=True)
+    scale = jnp.where(amax > 0, amax / LIMITS[fmt], 1.0)
+    if fmt == "int8":
+        values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+    else:
+        values = jax.lax.bitcast_convert_type((w32 / scale).astype(jnp.float8_e4m3fn), jnp.uint8)
+    return Quantized(values, jnp.squeeze(scale, tuple(range(lead, lead + contract))), fmt, contract)
+
+
+def stored_values(q: Quantized) -> jnp.ndarray:
+    """The 8-bit values as numbers (int8, or float8_e4m3fn from their bits)."""
+    return jax.lax.bitcast_convert_type(q.values, jnp.float8_e4m3fn) if q.fmt == "fp8" else q.values
+
+
+def dequantize(q: Quantized, dtype=jnp.float32, stacked: bool = False) -> jnp.ndarray:
+    """The weight q stands for, in `dtype` (the scales broadcast over the contracted axes)."""
+    values = stored_values(q)
+    lead = 1 if stacked else 0
+    scale = jnp.expand_dims(q.scale, tuple(range(lead, lead + q.contract)))
+    return (values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def quantize_fields(fields: dict, fmt: str, stacked: bool) -> dict:
+    """A layer's (or the top level's) fields with the projections of CONTRACTED quantized; the
+    CPU layout's separate (gate, up) pair quantizes each."""
+    def one(name, w):
+        if name not in CONTRACTED or w is None:
+            return w
+        if isinstance(w, tuple):
+            return tuple(quantize(part, CONTRACTED[name], fmt, stacked) for part in w)
+        return quantize(w, CONTRACTED[name], fmt, stacked)
+    return {name: one(name, w) for name, w in fields.items()}
+
+
+def quantize_layer(layer, fmt: str, stacked: bool):
+    """A LayerWeights (one layer's, or stacked over layers) with its projections in `fmt`."""
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+    return layer.replace(**quantize_fields(fields, fmt, stacked))

@@ -1,0 +1,100 @@
+"""8-bit weights: the rounding each scheme promises; a quantized model computes what its
+dequantized weights say, through XLA and through the kernel; speculation stays lossless with
+respect to the quantized target's own plain output; bad settings are refused by name."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import save_tiny
+
+import jaxspec
+import jaxspec.model.forward as forward_module
+from jaxspec.defaults import CHECKPOINTS
+from jaxspec.model.cache import KVCache
+from jaxspec.model.forward import forward
+from jaxspec.model.quantize import Quantized, dequantize, quantize
+from pallas_kernels.matmul import matmul
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+HF = CHECKPOINTS / "hf"
+PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):\n    ", "class Queue:\n    def put(self, x):"]
+
+
+@pytest.fixture(scope="module")
+def quantized_pairs():
+    """{scheme: (target, draft)}, the embedded pair in float32 with 8-bit projections."""
+    return {s: (jaxspec.load(HF / "code-target-16m", dtype="float32", quantize=s),
+                jaxspec.load(HF / "code-draft-4m", dtype="float32", quantize=s)) for s in ("int8", "fp8")}
+
+
+@pytest.mark.parametrize("contract, stacked", [(1, False), (2, False), (1, True)])
+def test_each_scheme_rounds_within_its_promise(contract, stacked):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32, 8, 16)), jnp.float32)
+    w = w if stacked else w[0]
+    lead = 1 if stacked else 0
+    for fmt, half_step in (("int8", None), ("fp8", 2.0 ** -4)):
+        q = quantize(w, contract, fmt, stacked)
+        assert q.values.shape == w.shape and q.scale.shape == w.shape[:lead] + w.shape[lead + contract:]
+        back, scale = dequantize(q, stacked=stacked), jnp.expand_dims(q.scale, tuple(range(lead, lead + contract)))
+        if half_step is None:  # int8: within half a step of the grid
+            assert jnp.all(jnp.abs(back - w) <= 0.5 * scale * (1 + 1e-6))
+        else:  # fp8 e4m3: 3 mantissa bits, relative half-ulp (normal range) or half the smallest step
+            assert jnp.all(jnp.abs(back - w) <= jnp.maximum(half_step * jnp.abs(w), 2.0 ** -10 * scale))
+        # the largest magnitude of each output channel is stored exactly at the format's limit
+        assert jnp.allclose(jnp.max(jnp.abs(back), axis=tuple(range(lead, lead + contract))),
+                            jnp.max(jnp.abs(w), axis=tuple(range(lead, lead + contract))), rtol=1e-6)
+
+
+def _dequantized(weights):
+    """The same weights with every Quantized replaced by the float32 weight it stands for."""
+    stacked = not isinstance(weights.layers, tuple)
+
+    def undo(x, is_layer):
+        return dequantize(x, stacked=stacked and is_layer) if isinstance(x, Quantized) else x
+    layers = jax.tree.map(lambda x: undo(x, True), weights.layers, is_leaf=lambda x: isinstance(x, Quantized))
+    return weights.replace(layers=layers, lm_head=undo(weights.lm_head, False))
+
+
+def _logits(model, weights, tokens):
+    cache = KVCache.create(model.config, 1, 64, jnp.float32, stacked=not isinstance(weights.layers, tuple))
+    return forward(weights, model.config, jnp.asarray([tokens], jnp.int32), cache)[0]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_a_quantized_model_computes_what_its_dequantized_weights_say(quantized_pairs, scheme):
+    target, _ = quantized_pairs[scheme]
+    assert isinstance(target.weights.layers.wqkv, Quantized) and isinstance(target.weights.lm_head, Quantized)
+    tokens = target.tokenizer.encode(PROMPTS[1])
+    got = _logits(target, target.weights, tokens)
+    want = _logits(target, _dequantized(target.weights), tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+
+
+def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch):
+    """The accelerators' path (the 8-bit kernel, here in interpret mode) against the CPU's (XLA)."""
+    model = jaxspec.load(save_tiny(tmp_path / "tiny", "llama", {}), dtype="float32", quantize="int8")
+    tokens = [5, 9, 33, 7, 100, 42]
+    xla = _logits(model, model.weights, tokens)
+    monkeypatch.setattr(forward_module, "matmul", functools.partial(matmul, interpret=True))
+    monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
+    kernel = _logits(model, model.weights, tokens)
+    np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-4 * float(jnp.abs(xla).max()))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_speculation_is_lossless_against_the_quantized_targets_own_output(quantized_pairs, real_pair, scheme):
+    target, draft = quantized_pairs[scheme]
+    kw = dict(max_new_tokens=40)
+    plain = [c.token_ids for c in jaxspec.generate(PROMPTS, target, **kw)]
+    assert [c.token_ids for c in jaxspec.generate(PROMPTS, target, draft, num_draft_tokens=3, **kw)] == plain
+    assert [c.token_ids for c in jaxspec.generate(PROMPTS, target, real_pair[1], tree="binary-3", **kw)] == plain
+    lookup = jaxspec.generate(PROMPTS, target, "ngram", num_draft_tokens=4, warn_below_acceptance=0.0, **kw)
+    assert [c.token_ids for c in lookup] == plain
+
+
+def test_an_unknown_scheme_is_refused_by_name():
+    with pytest.raises(jaxspec.InputError, match="quantize must be one of int8, fp8"):
+        jaxspec.load(HF / "code-draft-4m", quantize="int4")
