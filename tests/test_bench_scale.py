@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 import jaxspec
-from jaxspec.bench.shapes import SHAPES, random_model, shape_config
+from jaxspec.bench.shapes import SHAPES, random_model, shape_config, step_weight_bytes
 from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
 
@@ -83,3 +83,9 @@ def test_scheduler_bench_refuses_an_unknown_lengths_case_up_front(capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "--shape", "tiny", "--parts", "continuous", "--lengths", "seen,eos"])
     assert "argument --lengths: comma-separated seen and/or hidden; got 'seen,eos'" in capsys.readouterr().err
+
+
+def test_a_quantized_shape_reads_about_half_the_bytes_per_step():
+    """`bench --shape ... --quantize`: the floor it reports counts 8-bit weights and their scales."""
+    plain, int8 = (step_weight_bytes(random_model("tiny", "bfloat16", quantize=q)) for q in (None, "int8"))
+    assert 0.5 < int8 / plain < 0.6

@@ -34,6 +34,7 @@ from jaxspec.bench.common import machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.schedulers import lengths_cases, lognormal_requests, scheduler_rows
 from jaxspec.bench.shapes import random_model, step_weight_bytes
+from jaxspec.model.quantize import SCHEMES
 from jaxspec.checks import int_list
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.decoding.state import prefill
@@ -68,6 +69,8 @@ def add_scale_args(p) -> None:
     g.add_argument("--parts", help=f"--shape: comma-separated subset of {','.join(PARTS)} (default all); without "
                                    "--shape, 'continuous' runs only the scheduler comparison on the embedded pair")
     g.add_argument("--seed", type=int, default=0, help="random weights and prompts")
+    g.add_argument("--quantize", choices=SCHEMES, help="the target's projections in 8 bits (default: none)")
+    g.add_argument("--draft-quantize", choices=SCHEMES, help="the draft's projections in 8 bits (default: none)")
     g.add_argument("--job-records-per-slot", type=int, default=8,
                    help="continuous part, --shape: records of the lognormal-budget job per batch slot (default 8)")
     g.add_argument("--refill-at", type=int_list, help="continuous part: refill policies to time (default: the engine's)")
@@ -289,11 +292,12 @@ def run_scale_bench(args) -> int:
 
     dtype = args.dtype or "bfloat16"
     t0 = time.perf_counter()
-    target = random_model(args.shape, dtype, args.seed, args.tensor_parallel)
+    target = random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize)
     jax.block_until_ready(target.weights)
     draft = None
     if args.draft_shape:
-        draft = replicated_on(random_model(args.draft_shape, dtype, args.seed + 1, args.draft_tensor_parallel), target.mesh)
+        draft = replicated_on(random_model(args.draft_shape, dtype, args.seed + 1, args.draft_tensor_parallel,
+                                           args.draft_quantize), target.mesh)
     result["models"] = {m.name: {"bytes_per_device": step_weight_bytes(m), "tensor_parallel": m.tensor_parallel}
                         for m in (target, draft) if m}
     print(f"random weights made in {time.perf_counter() - t0:.1f} s: {result['models']}", flush=True)

@@ -34,6 +34,7 @@ from jaxspec.model.weights import (
     Weights,
     arrange_layers,
     place,
+    quantize_weights,
 )
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -136,14 +137,20 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None) -> Weights:
     return place(weights, c, mesh)
 
 
-def random_model(name: str, dtype="bfloat16", seed: int = 0, tensor_parallel: int = 1) -> Model:
-    """A named shape with random weights, split over tensor_parallel devices."""
+def random_model(name: str, dtype="bfloat16", seed: int = 0, tensor_parallel: int = 1,
+                 quantize: str | None = None) -> Model:
+    """A named shape with random weights, split over tensor_parallel devices (quantize: its
+    projections in 8 bits, as jaxspec.load(..., quantize=) gives them)."""
     config = shape_config(name)
     tp = check_tensor_parallel(config, tensor_parallel, name)
     config = serving_config(config, tp)
     mesh = make_mesh(tp) if tp > 1 else None
     dtype = jnp.dtype(dtype)
-    return Model(config, random_weights(config, dtype, seed, mesh), None, name, Path(name), dtype, mesh)
+    weights = random_weights(config, dtype, seed, mesh)
+    if quantize is not None:
+        weights = quantize_weights(weights, config, quantize)
+    return Model(config, weights, None, name + (f"-{quantize}" if quantize else ""), Path(name), dtype, mesh,
+                 quantize=quantize)
 
 
 def weight_bytes(weights: Weights) -> int:
