@@ -36,13 +36,15 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=["float32", "bfloat16", "float16"], default=None,
         help="store the weights in this dtype (default: keep the checkpoint's own dtype)",
     )
+    p.add_argument("--quantize", choices=SCHEMES, default=None,
+                   help="store the projections in 8 bits with a float32 scale per output channel (default: none)")
 
 
 def run_convert(args) -> int:
     if args.out_dir and args.out_flag and args.out_dir != args.out_flag:
         raise JaxspecError("give the output folder once: OUT_DIR or --out, not both")
     out = args.out_dir or args.out_flag or CHECKPOINTS / Path(args.hf_dir).resolve().name
-    path = convert_hf_checkpoint(args.hf_dir, out, dtype=args.dtype)
+    path = convert_hf_checkpoint(args.hf_dir, out, dtype=args.dtype, quantize=args.quantize)
     print(f"converted {args.hf_dir} -> {path}")
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Convert a Hugging Face checkpoint (config.json + safetensors) to a jaxspec Orbax checkpoint.
 
-    python scripts/convert_hf_checkpoint.py HF_DIR [OUT_DIR] [--dtype bfloat16]
+    python scripts/convert_hf_checkpoint.py HF_DIR [OUT_DIR] [--dtype bfloat16] [--quantize int8|fp8]
 """
 
 import argparse

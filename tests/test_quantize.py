@@ -14,6 +14,8 @@ import jaxspec
 import jaxspec.model.forward as forward_module
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.model.cache import KVCache
+from jaxspec.model.checkpoint import convert_hf_checkpoint, read_checkpoint, write_checkpoint
+from jaxspec.model.config import load_config
 from jaxspec.model.forward import forward
 from jaxspec.model.quantize import Quantized, dequantize, quantize
 from pallas_kernels.matmul import matmul
@@ -98,3 +100,32 @@ def test_speculation_is_lossless_against_the_quantized_targets_own_output(quanti
 def test_an_unknown_scheme_is_refused_by_name():
     with pytest.raises(jaxspec.InputError, match="quantize must be one of int8, fp8"):
         jaxspec.load(HF / "code-draft-4m", quantize="int4")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_convert_stores_8_bits_and_loads_the_same_weights_as_quantizing_on_load(tmp_path, quantized_pairs, scheme):
+    out = convert_hf_checkpoint(HF / "code-draft-4m", tmp_path / scheme, quantize=scheme)
+    stored = read_checkpoint(out, load_config(out))
+    assert stored["layers.wq"].dtype == {"int8": np.int8, "fp8": np.uint8}[scheme]
+    assert stored["layers.wq.scale"].dtype == np.float32 and stored["embed"].dtype != np.float32  # bf16 as the source
+    loaded = jaxspec.load(out, dtype="float32")
+    assert loaded.quantize == scheme
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), loaded.weights,
+                        quantized_pairs[scheme][1].weights)
+    assert all(jax.tree.leaves(same))
+    other = "fp8" if scheme == "int8" else "int8"
+    with pytest.raises(jaxspec.InputError, match=f"stores its weights in {scheme}"):
+        jaxspec.load(out, quantize=other)
+
+
+def test_a_checkpoint_whose_scales_do_not_fit_its_weights_is_refused(tmp_path):
+    out = convert_hf_checkpoint(HF / "code-draft-4m", tmp_path / "int8", quantize="int8")
+    fields = read_checkpoint(out, load_config(out))
+    fields["layers.wq.scale"] = fields["layers.wq.scale"][:, :1]
+    write_checkpoint(fields, out, tmp_path / "bad", quantize="int8")
+    with pytest.raises(jaxspec.CheckpointError, match="cannot restore Orbax weights"):
+        jaxspec.load(tmp_path / "bad")
+    marker = tmp_path / "int8" / "jaxspec.json"
+    marker.write_text(marker.read_text().replace('"int8"', '"int4"'))
+    with pytest.raises(jaxspec.CheckpointError, match="quantize 'int4' is not one of int8, fp8"):
+        jaxspec.load(tmp_path / "int8")

@@ -66,10 +66,14 @@ def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_p
     assert [c.token_ids for c in got] == [c.token_ids for c in whole]
 
 
-def test_a_quantized_target_split_two_ways_decodes_its_whole_tokens(split_pair):
+def test_a_quantized_target_split_two_ways_decodes_its_whole_tokens(split_pair, tmp_path):
     """8-bit values split as their projections, scales by the output axes they keep."""
     whole = jaxspec.load(HF / "code-target-16m", dtype="float32", quantize="int8")
     split = jaxspec.load(HF / "code-target-16m", dtype="float32", quantize="int8", tensor_parallel=2)
+    converted = convert_hf_checkpoint(HF / "code-target-16m", tmp_path / "int8", quantize="int8")
+    restored = jaxspec.load(converted, dtype="float32", tensor_parallel=2)  # 8 bits straight into 2 shards
+    assert restored.quantize == "int8"
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), restored.weights, split.weights)))
     assert _shard_shape(split.weights.layers.wqkv.scale)[1] == split.config.num_kv_heads // 2
     kw = dict(max_new_tokens=24)
     assert _tokens(jaxspec.generate(PROMPTS, split, **kw)) == _tokens(jaxspec.generate(PROMPTS, whole, **kw))

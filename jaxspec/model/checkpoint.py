@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
+from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, SCALE, STORED_DTYPES, check_scheme, quantize_checkpoint
 from jaxspec.model.weights import ParamSpec, param_specs
 
 FORMAT = "jaxspec-orbax-v1"
@@ -142,12 +143,20 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict
     return fields
 
 
-def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None) -> dict[str, jax.ShapeDtypeStruct]:
+def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None,
+                     quantize: str | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """What a checkpoint holds: every field in `dtype`, or with `quantize` its projections'
+    8-bit values and float32 scales (jaxspec.model.quantize)."""
     out = {}
+    where = lambda name: None if shardings is None else shardings[name]  # noqa: E731
     for spec in param_specs(config):
-        shape = ((config.num_layers,) if spec.per_layer else ()) + spec.shape
-        sharding = None if shardings is None else shardings[spec.field]
-        out[spec.field] = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+        lead = (config.num_layers,) if spec.per_layer else ()
+        contract = CHECKPOINT_CONTRACTED.get(spec.field) if quantize else None
+        stored = STORED_DTYPES[quantize] if contract else np.dtype(dtype)
+        out[spec.field] = jax.ShapeDtypeStruct(lead + spec.shape, stored, sharding=where(spec.field))
+        if contract:
+            out[spec.field + SCALE] = jax.ShapeDtypeStruct(lead + spec.shape[contract:], np.float32,
+                                                           sharding=where(spec.field + SCALE))
     return out
 
 
@@ -157,14 +166,17 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
-def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_dir: str | Path) -> Path:
-    """Writes fields with Orbax plus the side files of source_dir; returns out_dir."""
+def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_dir: str | Path,
+                     quantize: str | None = None) -> Path:
+    """Writes fields with Orbax plus the side files of source_dir; returns out_dir. quantize: the
+    projections are 8-bit values with their scales (quantize_checkpoint's fields)."""
     out_dir = Path(out_dir).absolute()
     source_dir = Path(source_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    dtypes = {str(a.dtype) for a in fields.values()}
+    eight_bit = set(CHECKPOINT_CONTRACTED) | {name + SCALE for name in CHECKPOINT_CONTRACTED} if quantize else set()
+    dtypes = {str(a.dtype) for name, a in fields.items() if name not in eight_bit}
     if len(dtypes) != 1:
         raise CheckpointError(f"weights must share one dtype to be saved; got {sorted(dtypes)}")
     ckptr = _checkpointer()
@@ -174,6 +186,8 @@ def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_
         if (source_dir / name).is_file():
             shutil.copy2(source_dir / name, out_dir / name)
     marker = {"format": FORMAT, "dtype": dtypes.pop(), "source": source_dir.name}
+    if quantize:
+        marker["quantize"] = quantize
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir
 
@@ -188,7 +202,7 @@ def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict |
         raise CheckpointError(f"{ckpt_dir / MARKER} is missing or corrupt: {e}") from None
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
-    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings)
+    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings, marker.get("quantize"))
     try:
         restored = _checkpointer().restore(ckpt_dir / "weights", target)
     except Exception as e:
@@ -200,11 +214,27 @@ def is_converted(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """HF folder -> converted checkpoint folder; dtype None keeps the source dtype."""
+def stored_quantization(path: str | Path) -> str | None:
+    """The 8-bit scheme a converted checkpoint stores its projections in (None: its dtype)."""
+    try:
+        scheme = json.loads((Path(path) / MARKER).read_text()).get("quantize")
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{Path(path) / MARKER} is missing or corrupt: {e}") from None
+    if scheme is not None and scheme not in STORED_DTYPES:
+        raise CheckpointError(f"{Path(path) / MARKER}: quantize {scheme!r} is not one of {', '.join(STORED_DTYPES)}")
+    return scheme
+
+
+def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
+                          quantize: str | None = None) -> Path:
+    """HF folder -> converted checkpoint folder; dtype None keeps the source dtype; quantize
+    "int8" / "fp8" stores the projections in 8 bits (a load then reads about half the bytes)."""
+    check_scheme(quantize)
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"HF checkpoint folder {hf_dir} does not exist")
     config = load_config(hf_dir)
     fields = read_hf_weights(hf_dir, config, None if dtype is None else jax.numpy.dtype(dtype))
-    return write_checkpoint(fields, hf_dir, out_dir)
+    if quantize:
+        fields = quantize_checkpoint(fields, quantize)
+    return write_checkpoint(fields, hf_dir, out_dir, quantize)

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec.errors import InputError
@@ -22,6 +23,13 @@ SCHEMES = ("int8", "fp8")
 LIMITS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores
 # Projections and how many leading axes of each the matmul sums over (their inputs' trailing axes).
 CONTRACTED = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
+# The same projections in a converted checkpoint's layout (model.weights.param_specs), whose scales
+# are stored beside them under the field's name + SCALE; per-channel scales survive the fusing of
+# q/k/v and gate/up (it only concatenates output channels).
+CHECKPOINT_CONTRACTED = {"layers.wq": 1, "layers.wk": 1, "layers.wv": 1, "layers.wo": 2, "layers.w_gate": 1,
+                         "layers.w_up": 1, "layers.w_down": 1, "lm_head": 1}
+SCALE = ".scale"
+STORED_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # fp8: e4m3fn bits
 
 
 @struct.dataclass
@@ -89,3 +97,32 @@ def quantize_layer(layer, fmt: str, stacked: bool):
     """A LayerWeights (one layer's, or stacked over layers) with its projections in `fmt`."""
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
     return layer.replace(**quantize_fields(fields, fmt, stacked))
+
+
+_quantize = jax.jit(quantize, static_argnames=("contract", "fmt", "stacked"))
+
+
+def quantize_checkpoint(fields: dict, fmt: str) -> dict:
+    """Checkpoint-layout host fields (layers stacked) with the projections in `fmt`: the 8-bit
+    values under each field's name, float32 scales under name + SCALE; a layer at a time."""
+    out = dict(fields)
+    for name, contract in CHECKPOINT_CONTRACTED.items():
+        if name not in fields:
+            continue
+        w = fields[name]
+        parts = [_quantize(w[i], contract=contract, fmt=fmt) for i in range(w.shape[0])] if name.startswith(
+            "layers.") else [_quantize(w, contract=contract, fmt=fmt)]
+        stack = (lambda xs: np.stack(xs)) if name.startswith("layers.") else (lambda xs: xs[0])  # noqa: E731
+        out[name] = stack([np.asarray(q.values) for q in parts])
+        out[name + SCALE] = stack([np.asarray(q.scale) for q in parts])
+    return out
+
+
+def as_quantized(values, scale, fmt: str, contract: int, scale_has_contracted_axes: bool = False):
+    """Quantized from fused values and scales (a pair of each for the CPU's separate gate/up);
+    scale_has_contracted_axes: the scales still carry the contracted axes as size-1 ones."""
+    if isinstance(values, tuple):
+        return tuple(as_quantized(v, s, fmt, contract, scale_has_contracted_axes) for v, s in zip(values, scale))
+    if scale_has_contracted_axes:
+        scale = jnp.squeeze(scale, tuple(range(contract)))
+    return Quantized(values, scale, fmt, contract)

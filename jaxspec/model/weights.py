@@ -10,11 +10,20 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxspec.model import layout
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.quantize import Quantized, check_scheme, quantize, quantize_layer
+from jaxspec.model.quantize import (
+    CHECKPOINT_CONTRACTED,
+    CONTRACTED,
+    SCALE,
+    Quantized,
+    as_quantized,
+    check_scheme,
+    quantize,
+    quantize_layer,
+)
 from jaxspec.model.sharding import (
     kv_repeats,
     named,
@@ -187,11 +196,18 @@ def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     return out
 
 
-def field_shardings(config: ModelConfig, mesh: Mesh | None) -> dict:
-    """field -> where a checkpoint-layout array goes (None: the default device)."""
+def field_shardings(config: ModelConfig, mesh: Mesh | None, quantize: str | None = None) -> dict:
+    """field -> where a checkpoint-layout array goes (None: the default device); with quantize,
+    also each projection's scales (name + SCALE), split as the output axes they keep."""
     tp = 1 if mesh is None else mesh.size
-    return {p.field: named(mesh, spec(split_axes(p.axes or (None,) * len(p.shape), config, tp), p.per_layer))
-            for p in param_specs(config)}
+    out = {}
+    for p in param_specs(config):
+        axes = p.axes or (None,) * len(p.shape)
+        out[p.field] = named(mesh, spec(split_axes(axes, config, tp), p.per_layer))
+        contract = CHECKPOINT_CONTRACTED.get(p.field) if quantize else None
+        if contract:
+            out[p.field + SCALE] = named(mesh, spec(split_axes(axes[contract:], config, tp), p.per_layer))
+    return out
 
 
 def place(weights: Weights, config: ModelConfig, mesh: Mesh | None) -> Weights:
@@ -220,7 +236,8 @@ def repeat_kv_heads(a, r: int):
 FUSED_GROUPS = (("wq", "wk", "wv", "bq", "bk", "bv"), ("w_gate", "w_up", "b_gate", "b_up"))
 
 
-def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None) -> Weights:
+def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None,
+                        quantize: str | None = None) -> Weights:
     """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked; host arrays,
     or device arrays already on their shards) -> Weights in `dtype`, split over `mesh` (None: on
     the default device; the weights then run with serving_config(config, mesh.size)). Each device
@@ -228,27 +245,40 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
 
     Consumes `fields`: each stacked field is dropped once its layers are cut from it, a fused
     group at a time, so a device holds at most its weights plus one group (gate and up of a 70B
-    split two ways: 38 GB beside its 70 GB)."""
-    shardings = field_shardings(config, mesh)
+    split two ways: 38 GB beside its 70 GB). quantize: the checkpoint stores its projections in
+    8 bits, with their scales (jaxspec.model.quantize); they stay so."""
+    shardings = field_shardings(config, mesh, quantize)
     mlp = layout.fuse_mlp()
     take = lambda name: put(fields.pop(name), shardings[name])  # noqa: E731
-    top = {name: take(name).astype(dtype) for name in list(fields) if not name.startswith("layers.")}
-    names = [name.split(".", 1)[1] for name in fields]
+    top = {}
+    for name in [n for n in fields if not n.startswith("layers.") and not n.endswith(SCALE)]:
+        top[name] = (Quantized(take(name), take(name + SCALE), quantize, CONTRACTED[name]) if name + SCALE in fields
+                     else take(name).astype(dtype))
+    names = [name.split(".", 1)[1] for name in fields if not name.endswith(SCALE)]
     groups = list(FUSED_GROUPS) + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
     layers = [{} for _ in range(config.num_layers)]
     for group in groups:
         stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}
+        scales = {n: take("layers." + n + SCALE) for n in group if "layers." + n + SCALE in fields}
         for i, layer in enumerate(layers if stacked else ()):
-            layer |= _layer_of(stacked, jnp.int32(i), config=config, dtype=jnp.dtype(dtype), mlp=mlp)
-        del stacked  # frees the stacked arrays: the layers hold their own slices
+            layer |= _layer_of(stacked, scales, jnp.int32(i), config=config, dtype=jnp.dtype(dtype), mlp=mlp,
+                               quantize=quantize)
+        del stacked, scales  # frees the stacked arrays: the layers hold their own slices
     return assemble(config, top, layers, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype", "mlp"))
-def _layer_of(stacked: dict, i, *, config: ModelConfig, dtype, mlp: bool) -> dict:
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "mlp", "quantize"))
+def _layer_of(stacked: dict, scales: dict, i, *, config: ModelConfig, dtype, mlp: bool, quantize: str | None) -> dict:
     """Layer i of stacked checkpoint fields, in `dtype` and fused: one graph for every layer of a
-    group (one eager op per field and layer took 1.2 s for the 16M model on the CPU)."""
-    return fuse_layer(config, {n: a[i].astype(dtype) for n, a in stacked.items()}, mlp)
+    group (one eager op per field and layer took 1.2 s for the 16M model on the CPU). Fields with
+    `scales` stay 8-bit; their scales are fused alike, with the contracted axes as size-1 ones."""
+    out = fuse_layer(config, {n: a[i] if n in scales else a[i].astype(dtype) for n, a in stacked.items()}, mlp)
+    if not scales:
+        return out
+    contract = lambda n: CHECKPOINT_CONTRACTED["layers." + n]  # noqa: E731
+    fused = fuse_layer(config, {n: jnp.expand_dims(s[i], tuple(range(contract(n)))) for n, s in scales.items()}, mlp)
+    return out | {name: as_quantized(out[name], s, quantize, CONTRACTED[name], scale_has_contracted_axes=True)
+                  for name, s in fused.items()}
 
 
 def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | None) -> Weights:
@@ -257,7 +287,8 @@ def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | No
     backend (layout.scan_layers), the mesh recorded."""
     r = kv_repeats(config, 1 if mesh is None else mesh.size)
     for layer in layers:
-        layer |= {name: repeat_kv_heads(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
+        layer |= {name: jax.tree.map(lambda a: repeat_kv_heads(a, r), layer[name]) for name in ("wqkv", "bqkv")
+                  if name in layer}  # an 8-bit wqkv's values and scales alike
     stacked = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
     return place(Weights(layers=stacked, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
 
@@ -282,8 +313,4 @@ def quantize_weights(weights: Weights, config: ModelConfig, fmt: str) -> Weights
     else:
         layers = _quantized_layer(weights.layers, fmt=fmt, stacked=True)
     lm_head = None if weights.lm_head is None else _quantized_head(weights.lm_head, fmt=fmt)
-    out = weights.replace(layers=layers, lm_head=lm_head)
-    if weights.mesh is None:
-        return out
-    specs = weight_specs(out, config)
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(weights.mesh, s)), out, specs)
+    return place(weights.replace(layers=layers, lm_head=lm_head), config, weights.mesh)
