@@ -3,6 +3,7 @@ dequantized weights say, through XLA and through the kernel; speculation stays l
 respect to the quantized target's own plain output; bad settings are refused by name."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,76 @@ def test_a_checkpoint_whose_scales_do_not_fit_its_weights_is_refused(tmp_path):
     marker.write_text(marker.read_text().replace('"int8"', '"int4"'))
     with pytest.raises(jaxspec.CheckpointError, match="quantize 'int4' is not one of int8, fp8"):
         jaxspec.load(tmp_path / "int8")
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_folder(tmp_path, per_channel: bool, method: str = "fp8"):
+    """The embedded draft as an FP8 checkpoint as published for vLLM: every layer projection in
+    float8_e4m3fn with a weight_scale (per output channel [out, 1], or one per tensor) and an
+    input_scale; lm_head left in bf16, as exporters leave it."""
+    import shutil
+
+    import safetensors.torch
+    import torch
+
+    out = tmp_path / f"fp8-{method}-{'channel' if per_channel else 'tensor'}"
+    shutil.copytree(HF / "code-draft-4m", out, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(out, out.with_name(out.name + "-dequantized"))
+    tensors = safetensors.torch.load_file(HF / "code-draft-4m" / "model.safetensors")
+    dequantized = {n: t.float() for n, t in tensors.items()}
+    for name in [n for n in tensors if any(p in n for p in PROJECTIONS)]:
+        w = tensors[name].float()
+        amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+        scale = amax / 448.0
+        tensors[name] = (w / (scale if per_channel else scale[0])).to(torch.float8_e4m3fn)
+        tensors[name.replace(".weight", ".weight_scale")] = scale.float()
+        tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+        dequantized[name] = tensors[name].float() * (scale if per_channel else scale[0])
+    safetensors.torch.save_file(tensors, out / "model.safetensors")
+    safetensors.torch.save_file(dequantized, out.with_name(out.name + "-dequantized") / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"} if method == "fp8" else {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel" if per_channel else "tensor"}}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("per_channel, method", [(True, "fp8"), (False, "compressed-tensors")])
+def test_a_published_fp8_checkpoint_computes_what_its_dequantized_weights_say(tmp_path, per_channel, method):
+    """Against the same weights dequantized by torch and stored in float32 as a plain HF folder."""
+    folder = fp8_folder(tmp_path, per_channel, method)
+    model = jaxspec.load(folder, dtype="float32")
+    assert model.quantize == "fp8" and isinstance(model.weights.layers.wqkv, Quantized)
+    assert not isinstance(model.weights.lm_head, Quantized)  # left in bf16 there
+    reference = jaxspec.load(folder.with_name(folder.name + "-dequantized"), dtype="float32")
+    tokens = model.tokenizer.encode(PROMPTS[1])
+    want = _logits(reference, reference.weights, tokens)
+    np.testing.assert_allclose(_logits(model, model.weights, tokens), want, rtol=1e-4,
+                               atol=1e-4 * float(jnp.abs(want).max()))
+
+
+def test_fp8_checkpoints_decode_losslessly_and_convert_to_the_same_weights(tmp_path, real_pair):
+    folder = fp8_folder(tmp_path, per_channel=False, method="compressed-tensors")
+    model = jaxspec.load(folder, dtype="float32")
+    kw = dict(max_new_tokens=24)
+    plain = [c.token_ids for c in jaxspec.generate(PROMPTS, model, **kw)]
+    assert [c.token_ids for c in jaxspec.generate(PROMPTS, model, real_pair[1], num_draft_tokens=3, **kw)] == plain
+    converted = jaxspec.load(convert_hf_checkpoint(folder, tmp_path / "conv"), dtype="float32")
+    assert converted.quantize == "fp8"
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                            converted.weights, model.weights)))
+
+
+def test_unsupported_fp8_layouts_are_refused_by_name(tmp_path):
+    folder = fp8_folder(tmp_path, per_channel=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    with pytest.raises(jaxspec.CheckpointError, match=r"weight_block_size \[128, 128\] is not supported"):
+        jaxspec.load(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jaxspec.InputError, match="stores its weights in fp8"):
+        jaxspec.load(folder, quantize="int8")

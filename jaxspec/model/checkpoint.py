@@ -7,6 +7,7 @@ stacked). Only safetensors are ever read: never pickles.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -79,17 +80,58 @@ def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
     return out
 
 
+WEIGHT_SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"  # beside an fp8 projection's ".weight"
+
+
+def hf_quantization(hf_dir: str | Path) -> str | None:
+    """"fp8" when the folder's config.json declares fp8 e4m3 weights with per-tensor or
+    per-channel scales (quant_method "fp8", or "compressed-tensors" with 8-bit float weights by
+    tensor or channel), as vLLM reads them; None when it declares none; other schemes are refused
+    by name. Activation scales (input_scale) are ignored: activations stay in the model's dtype."""
+    try:
+        qc = json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError):
+        return None  # load_config reports a missing or corrupt config.json
+    if not qc:
+        return None
+    supported = ("jaxspec reads fp8 e4m3 weights with per-tensor or per-channel scales (quant_method \"fp8\", or "
+                 "\"compressed-tensors\" with 8-bit float weights by tensor or channel)")
+    method = qc.get("quant_method")
+    if method == "fp8" and not qc.get("weight_block_size"):
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        if groups and all(w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel")
+                          for w in groups):
+            return "fp8"
+    detail = f"weight_block_size {qc['weight_block_size']}" if qc.get("weight_block_size") else f"quant_method {method!r}"
+    raise CheckpointError(f"{Path(hf_dir) / 'config.json'}: quantization_config with {detail} is not supported; {supported}")
+
+
+def _fp8_scales(found: dict, expected: dict) -> dict:
+    """HF name of each projection's weight_scale -> (spec, layer), for the projections stored in fp8."""
+    scales = {}
+    for name, (spec, layer) in expected.items():
+        base = name.removesuffix(".weight")
+        if spec.field in CHECKPOINT_CONTRACTED and base + WEIGHT_SCALE in found:
+            scales[base + WEIGHT_SCALE] = (spec, layer)
+    return scales
+
+
 def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -> dict[str, tuple]:
     """HF tensor name -> (spec, layer index or None, file, open safetensors handle) for every
     tensor the config implies, after checking every name and shape in the folder (before any
-    data is read); the error names the offending tensor and file."""
+    data is read); the error names the offending tensor and file. An fp8 folder (hf_quantization)
+    adds each fp8 projection's weight_scale (name ending WEIGHT_SCALE, its projection's spec)."""
     hf_dir = Path(hf_dir)
     found = _open_all(_safetensors_files(hf_dir), framework)
     expected = _expected(config)
+    scales = _fp8_scales(found, expected) if hf_quantization(hf_dir) else {}
     tied_head = config.tie_word_embeddings and "lm_head.weight" in found
     unexpected = [
         n for n in found
-        if n not in expected and not n.endswith(IGNORED_SUFFIXES) and not (tied_head and n == "lm_head.weight")
+        if n not in expected and n not in scales and not n.endswith(IGNORED_SUFFIXES)
+        and not (tied_head and n == "lm_head.weight") and not (scales and n.endswith(INPUT_SCALE))
     ]
     if unexpected:
         raise CheckpointError(
@@ -109,15 +151,58 @@ def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -
             raise CheckpointError(
                 f"tensor {name} in {path.name} has shape {shape}; the config implies {spec.hf_shape}"
             )
-    return {name: (spec, layer, *found[name]) for name, (spec, layer) in expected.items()}
+        fp8 = handle.get_slice(name).get_dtype() == FP8_E4M3
+        if fp8 != (name.removesuffix(".weight") + WEIGHT_SCALE in scales):
+            raise CheckpointError(f"tensor {name} in {path.name} is {'fp8 without' if fp8 else 'not fp8 but has'} a "
+                                  f"{WEIGHT_SCALE.lstrip('.')}: an fp8 projection needs its scale and only it")
+    mixed = {spec.field for spec, _ in scales.values()} & {
+        spec.field for name, (spec, _) in expected.items() if name.removesuffix(".weight") + WEIGHT_SCALE not in scales}
+    if mixed:
+        raise CheckpointError(f"{hf_dir}: {', '.join(sorted(mixed))} are fp8 in some layers only; "
+                              "a projection must be fp8 in every layer or in none")
+    for name, (spec, _) in scales.items():
+        path, handle = found[name]
+        size = int(np.prod(handle.get_slice(name).get_shape()))
+        if size not in (1, spec.hf_shape[0]):
+            raise CheckpointError(f"tensor {name} in {path.name} has {size} scales; per-tensor (1) or per-channel "
+                                  f"({spec.hf_shape[0]}) are supported")
+    return {name: (spec, layer, *found[name]) for name, (spec, layer) in (expected | scales).items()}
+
+
+def channel_scales(scale: np.ndarray, spec: ParamSpec) -> np.ndarray:
+    """An fp8 projection's weight_scale (per tensor or per output channel) as one float32 scale
+    per output channel, in the engine's output axes (spec.shape past the contracted ones)."""
+    out_shape = spec.shape[CHECKPOINT_CONTRACTED[spec.field]:]
+    flat = np.asarray(scale, np.float32).reshape(-1)
+    return np.broadcast_to(flat, (int(np.prod(out_shape)),)).reshape(out_shape)
 
 
 def read_tensor(name: str, path: Path, handle) -> np.ndarray:
-    """One tensor from an open safetensors file, as stored (HF layout and dtype)."""
+    """One tensor from an open safetensors file, as stored (HF layout and dtype); fp8 e4m3fn
+    tensors (which numpy cannot hold) as their uint8 bits, memory-mapped."""
     try:
+        if handle.get_slice(name).get_dtype() == FP8_E4M3:
+            return _raw_bits(path, name)
         return handle.get_tensor(name)
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from None
+
+
+FP8_E4M3 = "F8_E4M3"  # safetensors' name for float8 e4m3fn
+
+
+@functools.lru_cache(maxsize=64)
+def _header(path: Path) -> tuple[int, dict]:
+    """(where the data starts, the header's tensor table) of a safetensors file."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return 8 + size, json.loads(f.read(size))
+
+
+def _raw_bits(path: Path, name: str) -> np.ndarray:
+    start, table = _header(Path(path))
+    begin, end = table[name]["data_offsets"]
+    return np.memmap(path, np.uint8, "r", offset=start + begin, shape=(end - begin,)).reshape(table[name]["shape"])
 
 
 def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
@@ -125,33 +210,37 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict
     checkpoint layout (layers stacked), in `dtype` (None: the source's): what conversion writes."""
     tensors = open_hf(hf_dir, config)
     # Each field is allocated once, stacked over layers, and filled tensor by tensor (cast on the
-    # way in): a checkpoint of many shards never sits in host memory twice.
+    # way in): a checkpoint of many shards never sits in host memory twice. An fp8 folder's
+    # projections stay 8-bit (their bits), with float32 scales under the field's name + SCALE.
     fields: dict[str, np.ndarray] = {}
     for name, (spec, layer, path, handle) in tensors.items():
         arr = read_tensor(name, path, handle)
-        if spec.transpose:
-            arr = arr.T
-        arr = arr.reshape(spec.shape)
-        if spec.field not in fields:
-            shape = ((config.num_layers,) if layer is not None else ()) + spec.shape
-            fields[spec.field] = np.empty(shape, np.dtype(dtype) if dtype is not None else arr.dtype)
-        if layer is None:
-            fields[spec.field][...] = arr
+        field = spec.field
+        if name.endswith(WEIGHT_SCALE):
+            arr, field = channel_scales(arr, spec), spec.field + SCALE
         else:
-            fields[spec.field][layer] = arr
+            arr = (arr.T if spec.transpose else arr).reshape(spec.shape)
+        if field not in fields:
+            shape = ((config.num_layers,) if layer is not None else ()) + arr.shape
+            keep = arr.dtype == np.uint8 or field.endswith(SCALE) or dtype is None
+            fields[field] = np.empty(shape, arr.dtype if keep else np.dtype(dtype))
+        if layer is None:
+            fields[field][...] = arr
+        else:
+            fields[field][layer] = arr
         del arr
     return fields
 
 
-def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None,
-                     quantize: str | None = None) -> dict[str, jax.ShapeDtypeStruct]:
-    """What a checkpoint holds: every field in `dtype`, or with `quantize` its projections'
-    8-bit values and float32 scales (jaxspec.model.quantize)."""
+def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None, quantize: str | None = None,
+                     quantized: tuple = ()) -> dict[str, jax.ShapeDtypeStruct]:
+    """What a checkpoint holds: every field in `dtype`, but the `quantized` ones: their 8-bit
+    values (in `quantize`) and float32 scales (jaxspec.model.quantize)."""
     out = {}
     where = lambda name: None if shardings is None else shardings[name]  # noqa: E731
     for spec in param_specs(config):
         lead = (config.num_layers,) if spec.per_layer else ()
-        contract = CHECKPOINT_CONTRACTED.get(spec.field) if quantize else None
+        contract = CHECKPOINT_CONTRACTED.get(spec.field) if spec.field in quantized else None
         stored = STORED_DTYPES[quantize] if contract else np.dtype(dtype)
         out[spec.field] = jax.ShapeDtypeStruct(lead + spec.shape, stored, sharding=where(spec.field))
         if contract:
@@ -175,7 +264,8 @@ def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    eight_bit = set(CHECKPOINT_CONTRACTED) | {name + SCALE for name in CHECKPOINT_CONTRACTED} if quantize else set()
+    quantized = [name for name in CHECKPOINT_CONTRACTED if name + SCALE in fields]
+    eight_bit = set(quantized) | {name + SCALE for name in quantized}
     dtypes = {str(a.dtype) for name, a in fields.items() if name not in eight_bit}
     if len(dtypes) != 1:
         raise CheckpointError(f"weights must share one dtype to be saved; got {sorted(dtypes)}")
@@ -187,7 +277,7 @@ def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_
             shutil.copy2(source_dir / name, out_dir / name)
     marker = {"format": FORMAT, "dtype": dtypes.pop(), "source": source_dir.name}
     if quantize:
-        marker["quantize"] = quantize
+        marker |= {"quantize": quantize, "quantized": quantized}
     (out_dir / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir
 
@@ -202,7 +292,8 @@ def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict |
         raise CheckpointError(f"{ckpt_dir / MARKER} is missing or corrupt: {e}") from None
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
-    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings, marker.get("quantize"))
+    target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings, marker.get("quantize"),
+                              tuple(marker.get("quantized", ())))
     try:
         restored = _checkpointer().restore(ckpt_dir / "weights", target)
     except Exception as e:
@@ -214,15 +305,19 @@ def is_converted(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def stored_quantization(path: str | Path) -> str | None:
-    """The 8-bit scheme a converted checkpoint stores its projections in (None: its dtype)."""
+def stored_quantization(path: str | Path) -> tuple[str | None, tuple[str, ...]]:
+    """(the 8-bit scheme a converted checkpoint stores projections in, which fields); (None, ())
+    when it stores every weight in its dtype."""
     try:
-        scheme = json.loads((Path(path) / MARKER).read_text()).get("quantize")
+        marker = json.loads((Path(path) / MARKER).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{Path(path) / MARKER} is missing or corrupt: {e}") from None
+    scheme, fields = marker.get("quantize"), tuple(marker.get("quantized", ()))
     if scheme is not None and scheme not in STORED_DTYPES:
         raise CheckpointError(f"{Path(path) / MARKER}: quantize {scheme!r} is not one of {', '.join(STORED_DTYPES)}")
-    return scheme
+    if not set(fields) <= set(CHECKPOINT_CONTRACTED):
+        raise CheckpointError(f"{Path(path) / MARKER}: quantized fields {sorted(fields)} are not all projections")
+    return scheme, fields
 
 
 def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
@@ -234,7 +329,10 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
     if not hf_dir.is_dir():
         raise CheckpointError(f"HF checkpoint folder {hf_dir} does not exist")
     config = load_config(hf_dir)
+    stored = hf_quantization(hf_dir)
+    if stored and quantize and quantize != stored:
+        raise CheckpointError(f"{hf_dir} stores its projections in {stored}: convert it with --quantize {stored} or none")
     fields = read_hf_weights(hf_dir, config, None if dtype is None else jax.numpy.dtype(dtype))
-    if quantize:
+    if quantize and not stored:
         fields = quantize_checkpoint(fields, quantize)
-    return write_checkpoint(fields, hf_dir, out_dir, quantize)
+    return write_checkpoint(fields, hf_dir, out_dir, quantize or stored)

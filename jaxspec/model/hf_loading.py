@@ -17,10 +17,11 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxspec.model import layout
-from jaxspec.model.checkpoint import open_hf, read_tensor
+from jaxspec.model.checkpoint import WEIGHT_SCALE, channel_scales, open_hf, read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
-from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_layer
+from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, Quantized
+from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_quantized_layer
 
 PROGRESS_AFTER_S = 3.0  # a progress bar appears on loads that take longer than this
 MAX_READERS = 8  # layers read at once: enough to keep the disk and the host-to-device copies busy
@@ -48,25 +49,35 @@ def hf_axes(p: ParamSpec) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "dtype", "config", "mlp"))
-def _to_engine(raw: dict, *, layout: tuple, dtype, config: ModelConfig | None, mlp: bool) -> dict:
+def _to_engine(raw: dict, scales: dict, *, layout: tuple, dtype, config: ModelConfig | None, mlp: bool) -> dict:
     """HF-layout tensors on their devices -> the engine layout in `dtype`, fused (fuse_layer)
     when `config` is given: one graph for every layer (and one for the top-level tensors), not
-    one per tensor shape. layout: (field, transpose, engine shape) of each tensor."""
-    out = {name: (raw[name].T if transpose else raw[name]).reshape(shape).astype(dtype)
-           for name, transpose, shape in layout}
-    return out if config is None else fuse_layer(config, out, mlp)
+    one per tensor shape. layout: (field, transpose, engine shape) of each tensor. Tensors with
+    `scales` (fp8 bits; their per-channel scales in the engine's output axes) stay 8-bit."""
+    out = {name: (raw[name].T if transpose else raw[name]).reshape(shape) for name, transpose, shape in layout}
+    out = {name: a if name in scales else a.astype(dtype) for name, a in out.items()}
+    if config is not None:
+        return fuse_quantized_layer(config, out, scales, mlp, "fp8")
+    return out | {name: Quantized(out[name], s, "fp8", CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
 
 
 def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool) -> dict:
     """Reads `entries` (open_hf items) onto their devices, each device only its own shard, and
-    converts them there."""
+    converts them there; an fp8 projection's weight_scale becomes one scale per output channel,
+    split as that channel axis is."""
     tp = 1 if mesh is None else mesh.size
-    raw, shapes = {}, []
+    raw, scales, shapes = {}, {}, []
     for name, (p, _, path, handle) in entries:
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
-        raw[field] = put(read_tensor(name, path, handle), named(mesh, spec(split_axes(hf_axes(p), config, tp))))
+        tensor = read_tensor(name, path, handle)
+        if name.endswith(WEIGHT_SCALE):
+            out_axes = p.axes[CHECKPOINT_CONTRACTED[p.field]:] if p.axes else ()
+            scales[field] = put(channel_scales(tensor, p), named(mesh, spec(split_axes(out_axes, config, tp))))
+            continue
+        raw[field] = put(tensor, named(mesh, spec(split_axes(hf_axes(p), config, tp))))
         shapes.append((field, p.transpose, p.shape))
-    return _to_engine(raw, layout=tuple(shapes), dtype=dtype, config=config if fuse else None, mlp=layout.fuse_mlp())
+    return _to_engine(raw, scales, layout=tuple(shapes), dtype=dtype, config=config if fuse else None,
+                      mlp=layout.fuse_mlp())
 
 
 def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None) -> Weights:

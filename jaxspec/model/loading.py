@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxspec import compile_cache
 from jaxspec.errors import CheckpointError, InputError
 from jaxspec.graphs import GraphCache
-from jaxspec.model.checkpoint import is_converted, read_checkpoint, stored_quantization
+from jaxspec.model.checkpoint import hf_quantization, is_converted, read_checkpoint, stored_quantization
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.hf_loading import load_hf_weights
 from jaxspec.model.tokenizer import load_tokenizer
@@ -107,16 +107,16 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     config = load_config(path)
     tp = check_tensor_parallel(config, tensor_parallel, path.name)
     mesh = make_mesh(tp) if tp > 1 else None
-    stored = None
-    if is_converted(path):
-        stored = stored_quantization(path)
-        if quantize is not None and stored is not None and quantize != stored:
-            raise InputError(f"quantize {quantize!r}: {path} stores its weights in {stored}; load it with "
-                             f"quantize={stored!r} or None")
+    converted = is_converted(path)
+    stored, quantized = stored_quantization(path) if converted else (hf_quantization(path), ())
+    if quantize is not None and stored is not None and quantize != stored:
+        raise InputError(f"quantize {quantize!r}: {path} stores its weights in {stored}; load it with "
+                         f"quantize={stored!r} or None")
+    if converted:
         # Straight into device memory (each device its own shards): a host copy first made the 8B
         # shape's load 12.8 s on an H200 against 9.7 s this way.
-        shardings = field_shardings(config, mesh, stored) if mesh is not None else dict.fromkeys(
-            field_shardings(config, None, stored), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        shardings = field_shardings(config, mesh, quantized) if mesh is not None else dict.fromkeys(
+            field_shardings(config, None, quantized), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         fields = read_checkpoint(path, config, shardings)
         weights = weights_from_fields(config, fields, dtype, mesh, stored)
     else:

@@ -196,15 +196,15 @@ def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     return out
 
 
-def field_shardings(config: ModelConfig, mesh: Mesh | None, quantize: str | None = None) -> dict:
-    """field -> where a checkpoint-layout array goes (None: the default device); with quantize,
-    also each projection's scales (name + SCALE), split as the output axes they keep."""
+def field_shardings(config: ModelConfig, mesh: Mesh | None, quantized=()) -> dict:
+    """field -> where a checkpoint-layout array goes (None: the default device); for the 8-bit
+    `quantized` fields also their scales (name + SCALE), split as the output axes they keep."""
     tp = 1 if mesh is None else mesh.size
     out = {}
     for p in param_specs(config):
         axes = p.axes or (None,) * len(p.shape)
         out[p.field] = named(mesh, spec(split_axes(axes, config, tp), p.per_layer))
-        contract = CHECKPOINT_CONTRACTED.get(p.field) if quantize else None
+        contract = CHECKPOINT_CONTRACTED.get(p.field) if p.field in quantized else None
         if contract:
             out[p.field + SCALE] = named(mesh, spec(split_axes(axes[contract:], config, tp), p.per_layer))
     return out
@@ -247,7 +247,7 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     group at a time, so a device holds at most its weights plus one group (gate and up of a 70B
     split two ways: 38 GB beside its 70 GB). quantize: the checkpoint stores its projections in
     8 bits, with their scales (jaxspec.model.quantize); they stay so."""
-    shardings = field_shardings(config, mesh, quantize)
+    shardings = field_shardings(config, mesh, [name for name in fields if name + SCALE in fields])
     mlp = layout.fuse_mlp()
     take = lambda name: put(fields.pop(name), shardings[name])  # noqa: E731
     top = {}
@@ -272,12 +272,20 @@ def _layer_of(stacked: dict, scales: dict, i, *, config: ModelConfig, dtype, mlp
     """Layer i of stacked checkpoint fields, in `dtype` and fused: one graph for every layer of a
     group (one eager op per field and layer took 1.2 s for the 16M model on the CPU). Fields with
     `scales` stay 8-bit; their scales are fused alike, with the contracted axes as size-1 ones."""
-    out = fuse_layer(config, {n: a[i] if n in scales else a[i].astype(dtype) for n, a in stacked.items()}, mlp)
+    values = {n: a[i] if n in scales else a[i].astype(dtype) for n, a in stacked.items()}
+    return fuse_quantized_layer(config, values, {n: s[i] for n, s in scales.items()}, mlp, quantize)
+
+
+def fuse_quantized_layer(config: ModelConfig, fields: dict, scales: dict, mlp: bool, fmt: str | None) -> dict:
+    """fuse_layer for a layer whose fields named in `scales` are 8-bit values (per-output-channel
+    float32 scales, the checkpoint layout's output axes): those come out Quantized, their scales
+    fused as the values are (with the contracted axes as size-1 ones)."""
+    out = fuse_layer(config, fields, mlp)
     if not scales:
         return out
     contract = lambda n: CHECKPOINT_CONTRACTED["layers." + n]  # noqa: E731
-    fused = fuse_layer(config, {n: jnp.expand_dims(s[i], tuple(range(contract(n)))) for n, s in scales.items()}, mlp)
-    return out | {name: as_quantized(out[name], s, quantize, CONTRACTED[name], scale_has_contracted_axes=True)
+    fused = fuse_layer(config, {n: jnp.expand_dims(s, tuple(range(contract(n)))) for n, s in scales.items()}, mlp)
+    return out | {name: as_quantized(out[name], s, fmt, CONTRACTED[name], scale_has_contracted_axes=True)
                   for name, s in fused.items()}
 
 
