@@ -87,15 +87,15 @@ def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch):
     np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-4 * float(jnp.abs(xla).max()))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
-def test_speculation_is_lossless_against_the_quantized_targets_own_output(quantized_pairs, real_pair, scheme):
+@pytest.mark.parametrize("scheme, drafter", [("int8", "chain"), ("int8", "ngram"), ("fp8", "tree")])
+def test_speculation_is_lossless_against_the_quantized_targets_own_output(quantized_pairs, real_pair, scheme, drafter):
+    """A quantized draft's chain, an unquantized draft's tree, n-gram lookup: the quantized target's tokens."""
     target, draft = quantized_pairs[scheme]
     kw = dict(max_new_tokens=40)
+    how = {"chain": dict(draft=draft, num_draft_tokens=3), "tree": dict(draft=real_pair[1], tree="binary-3"),
+           "ngram": dict(draft="ngram", num_draft_tokens=4, warn_below_acceptance=0.0)}[drafter]
     plain = [c.token_ids for c in jaxspec.generate(PROMPTS, target, **kw)]
-    assert [c.token_ids for c in jaxspec.generate(PROMPTS, target, draft, num_draft_tokens=3, **kw)] == plain
-    assert [c.token_ids for c in jaxspec.generate(PROMPTS, target, real_pair[1], tree="binary-3", **kw)] == plain
-    lookup = jaxspec.generate(PROMPTS, target, "ngram", num_draft_tokens=4, warn_below_acceptance=0.0, **kw)
-    assert [c.token_ids for c in lookup] == plain
+    assert [c.token_ids for c in jaxspec.generate(PROMPTS, target, **how, **kw)] == plain
 
 
 def test_an_unknown_scheme_is_refused_by_name():
