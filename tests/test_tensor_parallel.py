@@ -53,14 +53,16 @@ def test_embedded_pair_split_two_ways_decodes_the_same_tokens(real_pair, split_p
         c.stats.accepted_per_position for c in jaxspec.generate(PROMPTS[:2], target, "ngram", **lookup)]
 
 
-def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_pair):
-    """The shared loop is compiled from the prefill's output shardings: K=3 on the split target
-    gives the whole target's tokens."""
+def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_pair, monkeypatch):
+    """The accelerators' static path: the shared loop is compiled from the prefill's output
+    shardings, and K=3 on the split target gives the whole target's tokens."""
     target, draft = real_pair
     split, _ = split_pair
     requests = prompt_bucket_pair(target.tokenizer)
-    got = run(split, requests, 2, DecodeMethod.of(draft, 3), draft, scheduler="static", groups=[[0, 1], [2, 3]],
-              graphs=jaxspec.GraphCache())
+    with monkeypatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        got = run(split, requests, 2, DecodeMethod.of(draft, 3), draft, scheduler="static",
+                  groups=[[0, 1], [2, 3]], graphs=jaxspec.GraphCache())
     assert got.metrics.graphs_compiled == 3
     whole = jaxspec.generate([list(r.token_ids) for r in requests], target, draft, num_draft_tokens=3, max_new_tokens=40)
     assert [c.token_ids for c in got] == [c.token_ids for c in whole]

@@ -116,13 +116,16 @@ def prompt_bucket_pair(tokenizer) -> list[Request]:
     return requests
 
 
-def test_batches_that_differ_only_in_their_prompt_bucket_share_one_loop_graph(real_pair):
-    """As on accelerators, where a call pads rows, budget and capacity alike: one prefill per
-    prompt bucket and one loop, and each row's tokens are its own plain decoding's."""
+def test_batches_that_differ_only_in_their_prompt_bucket_share_one_loop_graph(real_pair, monkeypatch):
+    """The accelerators' static path (run here on the CPU), where a call pads rows, budget and
+    capacity alike: one prefill per prompt bucket and one loop, and each row's tokens are its own
+    plain decoding's."""
     target, _ = real_pair
     requests = prompt_bucket_pair(target.tokenizer)
     graphs = jaxspec.GraphCache()
-    got = run(target, requests, 2, graphs=graphs, scheduler="static", groups=[[0, 1], [2, 3]])
+    with monkeypatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        got = run(target, requests, 2, graphs=graphs, scheduler="static", groups=[[0, 1], [2, 3]])
     assert got.metrics.graphs_compiled == 3 and graphs.hits == 0
     alone = jaxspec.generate([list(r.token_ids) for r in requests], target, max_new_tokens=40, max_batch_size=1)
     assert [c.token_ids for c in got] == [c.token_ids for c in alone]
