@@ -286,12 +286,7 @@ def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict |
     """field -> array: host arrays, or with `shardings` (field -> jax.sharding.Sharding) device
     arrays restored straight into those shards (each host reads only its own devices' part)."""
     ckpt_dir = Path(ckpt_dir).absolute()
-    try:
-        marker = json.loads((ckpt_dir / MARKER).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt_dir / MARKER} is missing or corrupt: {e}") from None
-    if marker.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt_dir / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    marker = _marker(ckpt_dir)
     target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings, marker.get("quantize"),
                               tuple(marker.get("quantized", ())))
     try:
@@ -305,13 +300,21 @@ def is_converted(path: str | Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
+def _marker(ckpt_dir: Path) -> dict:
+    """A converted checkpoint's jaxspec.json, checked to be this format's."""
+    try:
+        marker = json.loads((ckpt_dir / MARKER).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{ckpt_dir / MARKER} is missing or corrupt: {e}") from None
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt_dir / MARKER}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    return marker
+
+
 def stored_quantization(path: str | Path) -> tuple[str | None, tuple[str, ...]]:
     """(the 8-bit scheme a converted checkpoint stores projections in, which fields); (None, ())
     when it stores every weight in its dtype."""
-    try:
-        marker = json.loads((Path(path) / MARKER).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{Path(path) / MARKER} is missing or corrupt: {e}") from None
+    marker = _marker(Path(path))
     scheme, fields = marker.get("quantize"), tuple(marker.get("quantized", ()))
     if scheme is not None and scheme not in STORED_DTYPES:
         raise CheckpointError(f"{Path(path) / MARKER}: quantize {scheme!r} is not one of {', '.join(STORED_DTYPES)}")

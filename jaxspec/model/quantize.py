@@ -11,6 +11,7 @@ e4m3fnuz, which the weights never need to be).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +54,11 @@ def check_scheme(scheme: str | None, field: str = "quantize") -> str | None:
     return scheme
 
 
+@functools.partial(jax.jit, static_argnames=("contract", "fmt", "stacked"))
 def quantize(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False) -> Quantized:
     """w in `fmt` with symmetric per-output-channel scales (the largest magnitude over the
-    `contract` leading axes maps to the format's largest value). stacked: w has a leading layer
-    axis first, which keeps its own scales."""
+    `contract` leading axes maps to the format's largest value), on w's devices. stacked: w has a
+    leading layer axis first, which keeps its own scales."""
     lead = 1 if stacked else 0
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=tuple(range(lead, lead + contract)), keepdims=True)
@@ -81,25 +83,17 @@ def dequantize(q: Quantized, dtype=jnp.float32, stacked: bool = False) -> jnp.nd
     return (values.astype(jnp.float32) * scale).astype(dtype)
 
 
-def quantize_fields(fields: dict, fmt: str, stacked: bool) -> dict:
-    """A layer's (or the top level's) fields with the projections of CONTRACTED quantized; the
-    CPU layout's separate (gate, up) pair quantizes each."""
+@functools.partial(jax.jit, static_argnames=("fmt", "stacked"))
+def quantize_layer(layer, fmt: str, stacked: bool):
+    """A LayerWeights (one layer's, or stacked over layers) with its projections (CONTRACTED) in
+    `fmt`, the CPU layout's separate (gate, up) pair each: one compiled graph for every layer."""
     def one(name, w):
         if name not in CONTRACTED or w is None:
             return w
         if isinstance(w, tuple):
             return tuple(quantize(part, CONTRACTED[name], fmt, stacked) for part in w)
         return quantize(w, CONTRACTED[name], fmt, stacked)
-    return {name: one(name, w) for name, w in fields.items()}
-
-
-def quantize_layer(layer, fmt: str, stacked: bool):
-    """A LayerWeights (one layer's, or stacked over layers) with its projections in `fmt`."""
-    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
-    return layer.replace(**quantize_fields(fields, fmt, stacked))
-
-
-_quantize = jax.jit(quantize, static_argnames=("contract", "fmt", "stacked"))
+    return layer.replace(**{f.name: one(f.name, getattr(layer, f.name)) for f in dataclasses.fields(layer)})
 
 
 def quantize_checkpoint(fields: dict, fmt: str) -> dict:
@@ -110,11 +104,13 @@ def quantize_checkpoint(fields: dict, fmt: str) -> dict:
         if name not in fields:
             continue
         w = fields[name]
-        parts = [_quantize(w[i], contract=contract, fmt=fmt) for i in range(w.shape[0])] if name.startswith(
-            "layers.") else [_quantize(w, contract=contract, fmt=fmt)]
-        stack = (lambda xs: np.stack(xs)) if name.startswith("layers.") else (lambda xs: xs[0])  # noqa: E731
-        out[name] = stack([np.asarray(q.values) for q in parts])
-        out[name + SCALE] = stack([np.asarray(q.scale) for q in parts])
+        if name.startswith("layers."):  # a layer at a time: never a float32 copy of a whole field
+            parts = [quantize(w[i], contract, fmt) for i in range(len(w))]
+            out[name] = np.stack([np.asarray(q.values) for q in parts])
+            out[name + SCALE] = np.stack([np.asarray(q.scale) for q in parts])
+        else:
+            q = quantize(w, contract, fmt)
+            out[name], out[name + SCALE] = np.asarray(q.values), np.asarray(q.scale)
     return out
 
 

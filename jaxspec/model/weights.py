@@ -301,24 +301,14 @@ def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | No
     return place(Weights(layers=stacked, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "stacked"))
-def _quantized_layer(layer: LayerWeights, *, fmt: str, stacked: bool) -> LayerWeights:
-    return quantize_layer(layer, fmt, stacked)
-
-
-@functools.partial(jax.jit, static_argnames=("fmt",))
-def _quantized_head(lm_head, *, fmt: str) -> Quantized:
-    return quantize(lm_head, 1, fmt)
-
-
 def quantize_weights(weights: Weights, config: ModelConfig, fmt: str) -> Weights:
     """`weights` with their projections in 8 bits (jaxspec.model.quantize), converted on the
     devices a layer at a time (one compiled graph for all layers), each 8-bit array and scale on
     the shards its projection had. config: the one the weights run with (serving_config)."""
     check_scheme(fmt)
     if isinstance(weights.layers, tuple):
-        layers = tuple(_quantized_layer(layer, fmt=fmt, stacked=False) for layer in weights.layers)
+        layers = tuple(quantize_layer(layer, fmt, False) for layer in weights.layers)
     else:
-        layers = _quantized_layer(weights.layers, fmt=fmt, stacked=True)
-    lm_head = None if weights.lm_head is None else _quantized_head(weights.lm_head, fmt=fmt)
+        layers = quantize_layer(weights.layers, fmt, True)
+    lm_head = None if weights.lm_head is None else quantize(weights.lm_head, 1, fmt)
     return place(weights.replace(layers=layers, lm_head=lm_head), config, weights.mesh)
