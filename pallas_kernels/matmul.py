@@ -4,14 +4,17 @@ the epilogue.
 
 Layout:
   x      [m, k]  activations (bf16 or float32)
-  w      [k, n]  weights: x's dtype, int8, or fp8 e4m3fn given as its uint8 bits (FORMATS)
+  w      [k, n]  weights: x's dtype, int8, or fp8 e4m3fn given as its uint8 bits (FORMATS);
+                 or [n, k] with w_nk (each output channel contiguous, as 8-bit models keep them)
   scale  [n]     float32 per output channel (None: no scaling)
   -> out [m, n]  in x's dtype (or out_dtype: float32 for logits)
 
-Grid (n / block_n, m / block_m, rows padded to block_m): each program owns one block_m x block_n
-output tile and reduces over all of k in blocks of block_k, in order, with one float32
-accumulator. The tiles depend on (k, n) only, so every output element is summed in the same
-order whatever m is and whatever the other rows hold: a row gives the same bits alone, in a
+Grid (m / block_m, n / block_n, split_k; rows padded to block_m): each program owns one
+block_m x block_n output tile and reduces over its k / split_k share in blocks of block_k, in
+order, with one float32 accumulator; split partials are added in order after. split_k fills the
+GPU when n alone gives few tiles (a decode step's o projection: 64). The tiles depend on (k, n)
+only, so every output element is summed in the same order whatever m is and whatever the other
+rows hold: a row gives the same bits alone, in a
 batch, or in a verify pass of K+1 rows (issue 25). At decode row counts the kernel is bound by
 reading w, which 8-bit weights halve (issue 26).
 
@@ -23,7 +26,8 @@ stored format runs on MI300 and H200 alike.
 
 Backend notes (DESIGN.md): compiler_params are always plt.CompilerParams; Triton wants
 power-of-two tiles and dot tiles >= 16; MI300 has 64 KB of shared memory per CU, which the
-default tiles (block_k 128: at most 16 KB of weights and 4 KB of activations per stage) respect.
+default tiles (block_k 128, block_n 64, 3 stages: at most 48 KB of weights and 12 KB of
+activations) respect.
 """
 
 from __future__ import annotations
@@ -50,10 +54,26 @@ def _largest_pow2_divisor(size: int, at_most: int, name: str) -> int:
     return block
 
 
-def tiling(k: int, n: int, block_k: int = 128, block_n: int = 64) -> tuple[int, int]:
-    """(block_k, block_n): the largest powers of two up to the given ones that divide k and n.
-    They depend on the weight's shape only (never on the rows), which keeps the order fixed."""
-    return _largest_pow2_divisor(k, block_k, "k"), _largest_pow2_divisor(n, block_n, "n")
+MIN_PROGRAMS = 384  # at decode rows: about three per multiprocessor keep the weight reads flowing
+MAX_SPLIT_K = 8
+
+
+def tiling(k: int, n: int, block_k: int | None = None, block_n: int | None = None,
+           split_k: int | None = None) -> tuple[int, int, int]:
+    """(block_k, block_n, split_k) for a [k, n] weight: the largest powers of two up to the given
+    tiles (default 128 and 64) that divide k / split_k and n, and (default) the fewest k splits,
+    up to MAX_SPLIT_K, that give MIN_PROGRAMS output tiles of one row block. All depend on the
+    weight's shape only (never on the rows), which keeps the order of every sum fixed. The
+    defaults were the best at decode rows for the 8B and 1B shapes' projections in 8 bits
+    (H200, scripts/matmul_sweep.py: within 3 % of each shape's best of 96 settings)."""
+    block_n = _largest_pow2_divisor(n, block_n or 64, "n")
+    if split_k is None:
+        split_k = 1
+        while split_k < MAX_SPLIT_K and n // block_n * split_k < MIN_PROGRAMS and k % (2 * split_k * 16) == 0:
+            split_k *= 2
+    if split_k < 1 or k % split_k:
+        raise ValueError(f"matmul split_k must divide k={k}; got {split_k}")
+    return _largest_pow2_divisor(k // split_k, block_k or 128, "k"), block_n, split_k
 
 
 def _fp8_bits_to_f16(bits):
@@ -71,63 +91,84 @@ def _weights_as(w, fmt: str, dtype):
     return w
 
 
-def _dot(a, b):
-    """a [M, K] . b [K, N] -> float32; IEEE float32 for float32 inputs (Triton would use tf32)."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+def _dot(a, b, contract=((1,), (0,))):
+    """a [M, K] . b [K, N] (or b [N, K]) -> float32; IEEE float32 for float32 inputs (Triton
+    would use tf32)."""
+    return lax.dot_general(a, b, (contract, ((), ())), precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
 
 
-def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool):
+def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_nk: bool):
     scale_ref, o_ref = rest if scaled else (None, rest[0])
     k = x_ref.shape[1]
 
     def step(i, acc):
         at = pl.multiple_of(i * block_k, block_k)
         x = x_ref[:, pl.ds(at, block_k)]
+        if w_nk:
+            w = _weights_as(w_ref[:, pl.ds(at, block_k)], fmt, x.dtype)
+            return acc + _dot(x, w, ((1,), (1,)))
         w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, x.dtype)
         return acc + _dot(x, w)
 
-    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(o_ref.shape[-2:], jnp.float32))
     if scaled:
         acc = acc * scale_ref[...][None, :]
-    o_ref[...] = acc.astype(o_ref.dtype)
+    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_k", "block_n", "num_warps", "num_stages",
-                                             "interpret"))
-def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_k: int = 128, block_n: int = 64,
-           num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_m", "block_k", "block_n", "split_k", "w_nk",
+                                             "num_warps", "num_stages", "interpret"))
+def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int = BLOCK_M,
+           block_k: int | None = None, block_n: int | None = None, split_k: int | None = None, w_nk: bool = False,
+           num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [m, k] @ w [k, n] (times scale [n]) -> [m, n] in out_dtype (default x's); see the
-    module docstring."""
+    module docstring. Tiles: `tiling` (None: its defaults). split_k > 1: that many programs each
+    sum a fixed k range, and their float32 partials are added in order afterwards. w_nk: w is
+    given as [n, k] (each output channel contiguous: faster for 8-bit weights)."""
     if fmt not in FORMATS:
         raise ValueError(f"matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
-    if w.shape[0] != k or w.ndim != 2:
-        raise ValueError(f"matmul w must be [k={k}, n]; got {list(w.shape)}")
+    n = w.shape[0] if w_nk else w.shape[1]
+    if w.ndim != 2 or w.shape[1 if w_nk else 0] != k:
+        raise ValueError(f"matmul w must be [{'n, k=' + str(k) if w_nk else 'k=' + str(k) + ', n'}]; got {list(w.shape)}")
     expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
     if w.dtype != expected:
         raise ValueError(f"matmul w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
-    n = w.shape[1]
-    block_k, block_n = tiling(k, n, block_k, block_n)
-    rows = -(-m // BLOCK_M) * BLOCK_M
+    block_k, block_n, split_k = tiling(k, n, block_k, block_n, split_k)
+    rows = -(-m // block_m) * block_m
     xp = x if rows == m else jnp.pad(x, ((0, rows - m), (0, 0)))
-    scaled = scale is not None or fmt == "fp8"
+    kk = k // split_k  # each program's share of the sum
+    s = jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    s = s * FP8_SHIFT if fmt == "fp8" else s
+    scaled = split_k == 1 and (scale is not None or fmt == "fp8")
+    # The row blocks of one weight tile are neighbours in the launch order (grid axis 0), so a
+    # batch reads each tile from memory once and from L2 after.
     args = [xp, w]
-    in_specs = [pl.BlockSpec((BLOCK_M, k), lambda j, i: (i, 0)), pl.BlockSpec((k, block_n), lambda j, i: (0, j))]
+    in_specs = [pl.BlockSpec((block_m, kk), lambda i, j, p: (i, p)),
+                pl.BlockSpec((block_n, kk), lambda i, j, p: (j, p)) if w_nk else
+                pl.BlockSpec((kk, block_n), lambda i, j, p: (p, j))]
     if scaled:
-        s = jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32)
-        args.append(s * FP8_SHIFT if fmt == "fp8" else s)
-        in_specs.append(pl.BlockSpec((block_n,), lambda j, i: (j,)))
+        args.append(s)
+        in_specs.append(pl.BlockSpec((block_n,), lambda i, j, p: (j,)))
+    split = split_k > 1
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled),
-        grid=(n // block_n, rows // BLOCK_M),
+        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled, w_nk=w_nk),
+        grid=(rows // block_m, n // block_n, split_k),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype),
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, p: (p, i, j)) if split else
+        pl.BlockSpec((block_m, block_n), lambda i, j, p: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, rows, n) if split else (rows, n),
+                                       jnp.float32 if split else out_dtype or x.dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"matmul_{fmt}",
     )(*args)
+    if split:  # partials added in a fixed order (an unrolled chain XLA keeps), then the scales
+        total = out[0]
+        for p in range(1, split_k):
+            total = total + out[p]
+        out = (total * s[None, :] if scale is not None or fmt == "fp8" else total).astype(out_dtype or x.dtype)
     return out if rows == m else out[:m]
 
 

@@ -205,7 +205,6 @@ def tree_attention(
                                      target_programs=target_programs)
     head_blocks = n * (g // gb)  # programs per batch row; block j holds heads [j * gb, (j + 1) * gb)
     split_len = s // splits
-    rows = tb * gb
     kv_head = lambda j: j // (g // gb)  # noqa: E731
     stages = num_stages or default_stages(2 * block_k * d * k_cache.dtype.itemsize)
     params = plt.CompilerParams(num_warps=num_warps, num_stages=stages)

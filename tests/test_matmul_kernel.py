@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from pallas_kernels.matmul import _fp8_bits_to_f16, matmul, matmul_reference
+from pallas_kernels.matmul import MIN_PROGRAMS, _fp8_bits_to_f16, matmul, matmul_reference, tiling
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -43,6 +43,26 @@ def test_kernel_matches_the_float32_reference(fmt, m, k, n):
     np.testing.assert_allclose(got, want, rtol=2.0 ** -8, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
+@pytest.mark.parametrize("split_k, w_nk", [(2, False), (4, True), (1, True)])
+def test_split_sums_and_channels_first_weights_match_the_reference(fmt, split_k, w_nk):
+    rng = np.random.default_rng(split_k)
+    w, scale = weights(rng, 512, 128, fmt)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    got = matmul(x, w.T if w_nk else w, scale, fmt=fmt, split_k=split_k, w_nk=w_nk, interpret=True)
+    want = np.asarray(matmul_reference(x, w, scale, fmt))
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=2.0 ** -8, atol=1e-5 * np.abs(want).max())
+
+
+def test_default_tiles_split_k_only_where_n_gives_too_few_programs():
+    assert tiling(4096, 28672) == (128, 64, 1)  # 448 tiles already
+    assert tiling(4096, 6144) == (128, 64, 4)  # 96 tiles -> 384 programs
+    assert tiling(4096, 4096) == (128, 64, 8)  # at most 8 splits
+    assert tiling(64, 64) == (16, 64, 4)  # never below the 16-wide dot tile
+    block_k, block_n, split = tiling(14336, 4096)
+    assert 4096 // block_n * split >= MIN_PROGRAMS and (14336 // split) % block_k == 0
+
+
 def test_float32_inputs_are_summed_in_float32():
     rng = np.random.default_rng(1)
     x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((3, 128), (128, 64)))
@@ -55,6 +75,7 @@ def test_a_row_gives_the_same_bits_alone_and_beside_any_other_rows(fmt):
     rng = np.random.default_rng(7)
     w, scale = weights(rng, 256, 128, fmt)
     row = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+    assert tiling(256, 128)[2] > 1  # split sums too
     alone = matmul(row, w, scale, fmt=fmt, interpret=True)
     for rows, at in ((5, 3), (17, 9)):
         others = jnp.asarray(rng.standard_normal((rows, 256)) * 4, jnp.bfloat16)

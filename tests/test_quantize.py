@@ -40,7 +40,9 @@ def test_each_scheme_rounds_within_its_promise(contract, stacked):
     lead = 1 if stacked else 0
     for fmt, half_step in (("int8", None), ("fp8", 2.0 ** -4)):
         q = quantize(w, contract, fmt, stacked)
-        assert q.values.shape == w.shape and q.scale.shape == w.shape[:lead] + w.shape[lead + contract:]
+        out_axes = w.shape[lead + contract:]
+        assert q.scale.shape == w.shape[:lead] + out_axes  # values channels first: [lead, out, contracted]
+        assert q.values.shape == w.shape[:lead] + out_axes + w.shape[lead: lead + contract]
         back, scale = dequantize(q, stacked=stacked), jnp.expand_dims(q.scale, tuple(range(lead, lead + contract)))
         if half_step is None:  # int8: within half a step of the grid
             assert jnp.all(jnp.abs(back - w) <= 0.5 * scale * (1 + 1e-6))

@@ -78,16 +78,17 @@ def _quantized(x, q: Quantized, out_dtype=None):
     sums of x times the 8-bit values (exact in x's dtype), then the scales. The 8-bit kernel on
     accelerators for up to KERNEL_MAX_ROWS rows; XLA on the converted values elsewhere (the
     CPU, and prefills, which are compute-bound)."""
-    k = math.prod(q.shape[: q.contract])
-    out_axes = q.shape[q.contract :]
-    x2 = x.reshape(-1, k)
+    out_axes = q.scale.shape
     n = math.prod(out_axes)
+    k = q.values.size // n
+    x2 = x.reshape(-1, k)
+    w = q.values.reshape(n, k)  # channels first (Quantized)
     out_dtype = out_dtype or x.dtype
     if jax.default_backend() != "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
-        out = matmul(x2, q.values.reshape(k, n), q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype)
+        out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True)
     else:
-        w = stored_values(q).reshape(k, n).astype(x.dtype)
-        out = (_einsum("mk,kn->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
+        w = stored_values(q.replace(values=w)).astype(x.dtype)
+        out = (_einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
     return out.reshape(*x.shape[: x.ndim - q.contract], *out_axes)
 
 

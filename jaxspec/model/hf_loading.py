@@ -20,7 +20,7 @@ from jaxspec.model import layout
 from jaxspec.model.checkpoint import WEIGHT_SCALE, channel_scales, open_hf, read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
-from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, Quantized
+from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, as_quantized
 from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_quantized_layer
 
 PROGRESS_AFTER_S = 3.0  # a progress bar appears on loads that take longer than this
@@ -58,7 +58,7 @@ def _to_engine(raw: dict, scales: dict, *, layout: tuple, dtype, config: ModelCo
     out = {name: a if name in scales else a.astype(dtype) for name, a in out.items()}
     if config is not None:
         return fuse_quantized_layer(config, out, scales, mlp, "fp8")
-    return out | {name: Quantized(out[name], s, "fp8", CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
+    return out | {name: as_quantized(out[name], s, "fp8", CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
 
 
 def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool) -> dict:

@@ -35,17 +35,30 @@ STORED_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # fp8: e
 
 @struct.dataclass
 class Quantized:
-    """One projection in 8 bits. values: the weight's shape, int8 or fp8 e4m3fn bits (uint8);
-    scale [the weight's axes past the `contract` leading ones] float32: weight = values * scale."""
+    """One projection in 8 bits: weight = values * scale, in the engine's layout.
+
+    The weight is [contracted axes..., output axes...] (the first `contract` axes are summed over).
+    values hold its transpose, [output axes..., contracted axes...], int8 or fp8 e4m3fn bits
+    (uint8): each output channel's weights are contiguous, as in Hugging Face's files, which the
+    matmul kernel reads a quarter faster at decode rows than the weight's own layout (H200,
+    scripts/matmul_sweep.py). scale: [output axes...] float32. Stacked layers lead both."""
 
     values: jnp.ndarray
     scale: jnp.ndarray
     fmt: str = struct.field(pytree_node=False)  # "int8" or "fp8"
     contract: int = struct.field(pytree_node=False)
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+
+def to_channels_first(w: jnp.ndarray, contract: int, lead: int = 0) -> jnp.ndarray:
+    """[lead..., contracted..., output...] -> [lead..., output..., contracted...]."""
+    axes = list(range(w.ndim))
+    return jnp.transpose(w, axes[:lead] + axes[lead + contract :] + axes[lead : lead + contract])
+
+
+def to_weight_layout(values: jnp.ndarray, contract: int, lead: int = 0) -> jnp.ndarray:
+    """The inverse of to_channels_first."""
+    axes = list(range(values.ndim))
+    return jnp.transpose(values, axes[:lead] + axes[values.ndim - contract :] + axes[lead : values.ndim - contract])
 
 
 def check_scheme(scheme: str | None, field: str = "quantize") -> str | None:
@@ -59,6 +72,13 @@ def quantize(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False) -> 
     """w in `fmt` with symmetric per-output-channel scales (the largest magnitude over the
     `contract` leading axes maps to the format's largest value), on w's devices. stacked: w has a
     leading layer axis first, which keeps its own scales."""
+    values, scale = quantize_in_weight_layout(w, contract, fmt, stacked)
+    return Quantized(to_channels_first(values, contract, int(stacked)), scale, fmt, contract)
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "fmt", "stacked"))
+def quantize_in_weight_layout(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False):
+    """quantize's (values in w's own layout, scales): a converted checkpoint's layout."""
     lead = 1 if stacked else 0
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=tuple(range(lead, lead + contract)), keepdims=True)
@@ -67,7 +87,7 @@ def quantize(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False) -> 
         values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
     else:
         values = jax.lax.bitcast_convert_type((w32 / scale).astype(jnp.float8_e4m3fn), jnp.uint8)
-    return Quantized(values, jnp.squeeze(scale, tuple(range(lead, lead + contract))), fmt, contract)
+    return values, jnp.squeeze(scale, tuple(range(lead, lead + contract)))
 
 
 def stored_values(q: Quantized) -> jnp.ndarray:
@@ -76,11 +96,9 @@ def stored_values(q: Quantized) -> jnp.ndarray:
 
 
 def dequantize(q: Quantized, dtype=jnp.float32, stacked: bool = False) -> jnp.ndarray:
-    """The weight q stands for, in `dtype` (the scales broadcast over the contracted axes)."""
-    values = stored_values(q)
-    lead = 1 if stacked else 0
-    scale = jnp.expand_dims(q.scale, tuple(range(lead, lead + q.contract)))
-    return (values.astype(jnp.float32) * scale).astype(dtype)
+    """The weight q stands for, in its own layout and `dtype`."""
+    scale = jnp.expand_dims(q.scale, tuple(range(q.scale.ndim, q.values.ndim)))  # over the contracted axes
+    return to_weight_layout((stored_values(q).astype(jnp.float32) * scale).astype(dtype), q.contract, int(stacked))
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "stacked"))
@@ -105,20 +123,20 @@ def quantize_checkpoint(fields: dict, fmt: str) -> dict:
             continue
         w = fields[name]
         if name.startswith("layers."):  # a layer at a time: never a float32 copy of a whole field
-            parts = [quantize(w[i], contract, fmt) for i in range(len(w))]
-            out[name] = np.stack([np.asarray(q.values) for q in parts])
-            out[name + SCALE] = np.stack([np.asarray(q.scale) for q in parts])
+            parts = [quantize_in_weight_layout(w[i], contract, fmt) for i in range(len(w))]
+            out[name] = np.stack([np.asarray(values) for values, _ in parts])
+            out[name + SCALE] = np.stack([np.asarray(scale) for _, scale in parts])
         else:
-            q = quantize(w, contract, fmt)
-            out[name], out[name + SCALE] = np.asarray(q.values), np.asarray(q.scale)
+            out[name], out[name + SCALE] = map(np.asarray, quantize_in_weight_layout(w, contract, fmt))
     return out
 
 
 def as_quantized(values, scale, fmt: str, contract: int, scale_has_contracted_axes: bool = False):
-    """Quantized from fused values and scales (a pair of each for the CPU's separate gate/up);
-    scale_has_contracted_axes: the scales still carry the contracted axes as size-1 ones."""
+    """Quantized from values in the weight's layout and their scales (a pair of each for the CPU's
+    separate gate/up); scale_has_contracted_axes: the scales still carry the contracted axes as
+    size-1 ones."""
     if isinstance(values, tuple):
         return tuple(as_quantized(v, s, fmt, contract, scale_has_contracted_axes) for v, s in zip(values, scale))
     if scale_has_contracted_axes:
         scale = jnp.squeeze(scale, tuple(range(contract)))
-    return Quantized(values, scale, fmt, contract)
+    return Quantized(to_channels_first(values, contract), scale, fmt, contract)

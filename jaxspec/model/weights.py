@@ -93,8 +93,10 @@ def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
     split = lambda axes: split_axes(axes, config, tp)  # noqa: E731
 
     def spec_of(value, axes, stacked: bool):
-        if isinstance(value, Quantized):  # the scales keep the output axes
-            return value.replace(values=spec(split(axes), stacked), scale=spec(split(axes[value.contract :]), stacked))
+        if isinstance(value, Quantized):  # values channels first; the scales keep the output axes
+            out_axes = axes[value.contract :]
+            return value.replace(values=spec(split(out_axes + axes[: value.contract]), stacked),
+                                 scale=spec(split(out_axes), stacked))
         return spec(split(axes), stacked)
 
     def layer_specs(layer: LayerWeights) -> LayerWeights:
@@ -233,6 +235,15 @@ def repeat_kv_heads(a, r: int):
     return jnp.concatenate([q, kv], axis=-2).reshape(*lead, n * r, g // r + 2, k)
 
 
+def _repeat_kv(w, r: int):
+    """repeat_kv_heads of a fused q/k/v weight or bias; an 8-bit one's scales alike and its
+    channels-first values [n, j, k, d] with the model axis moved out of the way."""
+    if not isinstance(w, Quantized):
+        return repeat_kv_heads(w, r)
+    values = jnp.moveaxis(repeat_kv_heads(jnp.moveaxis(w.values, -1, 0), r), 0, -1)
+    return w.replace(values=values, scale=repeat_kv_heads(w.scale, r))
+
+
 FUSED_GROUPS = (("wq", "wk", "wv", "bq", "bk", "bv"), ("w_gate", "w_up", "b_gate", "b_up"))
 
 
@@ -252,7 +263,7 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     take = lambda name: put(fields.pop(name), shardings[name])  # noqa: E731
     top = {}
     for name in [n for n in fields if not n.startswith("layers.") and not n.endswith(SCALE)]:
-        top[name] = (Quantized(take(name), take(name + SCALE), quantize, CONTRACTED[name]) if name + SCALE in fields
+        top[name] = (as_quantized(take(name), take(name + SCALE), quantize, CONTRACTED[name]) if name + SCALE in fields
                      else take(name).astype(dtype))
     names = [name.split(".", 1)[1] for name in fields if not name.endswith(SCALE)]
     groups = list(FUSED_GROUPS) + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
@@ -295,8 +306,7 @@ def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | No
     backend (layout.scan_layers), the mesh recorded."""
     r = kv_repeats(config, 1 if mesh is None else mesh.size)
     for layer in layers:
-        layer |= {name: jax.tree.map(lambda a: repeat_kv_heads(a, r), layer[name]) for name in ("wqkv", "bqkv")
-                  if name in layer}  # an 8-bit wqkv's values and scales alike
+        layer |= {name: _repeat_kv(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
     stacked = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
     return place(Weights(layers=stacked, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
 
