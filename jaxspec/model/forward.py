@@ -70,7 +70,7 @@ def _einsum(spec: str, a, b, **kwargs):
     return jnp.einsum(spec, a, b, precision=precision, **kwargs)
 
 
-KERNEL_MAX_ROWS = 256  # 8-bit weights: decode, verify and draft rows take the kernel, a prefill XLA
+KERNEL_MAX_ROWS = 16  # 8-bit weights: decode, verify and draft rows (one row block) take the kernel, more XLA
 
 
 def _quantized(x, q: Quantized, out_dtype=None):
