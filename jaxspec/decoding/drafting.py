@@ -17,8 +17,12 @@ depth) and its tokens (emitted [b, D+1], the first kept[b] of them appended), an
 the drafter follow. Losslessness does not depend on the drafter: the acceptance rule is exact
 for any q.
 
+A drafter with a non-empty `feature_layers` (an EAGLE-3 head) also reads the target's hidden
+states entering those layers: init gets the prompt's (features=[b, P, F], from the prefill) and
+commit the accepted path's (features=[b, D+1, F], from the verify pass).
+
 Drafters: jaxspec.draft_model.ModelDrafter (a draft model: chain or tree),
-jaxspec.ngram.NgramDrafter (prompt lookup).
+jaxspec.ngram.NgramDrafter (prompt lookup), jaxspec.decoding.eagle.EagleDrafter (an EAGLE-3 head).
 """
 
 from __future__ import annotations

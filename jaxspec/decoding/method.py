@@ -8,17 +8,20 @@ import dataclasses
 
 from jaxspec.checks import check_int
 from jaxspec.decoding.draft_model import ModelDrafter
+from jaxspec.decoding.eagle import EagleDrafter
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.decoding.plain import PlainLoop
 from jaxspec.decoding.speculative import SpeculativeLoop
 from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import MAX_TREE_NODES, Tree, chain, resolve_tree
 from jaxspec.errors import InputError
+from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model
 
 DEFAULT_NUM_DRAFT = 3  # drafted tokens per round when none is given: generate, the CLI and batch jobs
 MAX_DRAFT_TOKENS = 32  # one static graph per K; past this a chain only wastes verify work
-KINDS = ("plain", "draft", "ngram")  # the target alone; a draft model; n-gram lookup in the prompt and output
+# the target alone; a draft model; n-gram lookup in the prompt and output; an EAGLE-3 head
+KINDS = ("plain", "draft", "ngram", "eagle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,8 @@ class DecodeMethod:
             if len(ngram.drafter(self.k).tree) > MAX_TREE_NODES:
                 raise InputError(f"ngram_branches x num_draft_tokens must be at most {MAX_TREE_NODES - 1}; "
                                  f"got {ngram.branches} x {self.k}")
+        elif self.kind == "eagle" and self.tree is not None:
+            raise InputError("an EAGLE-3 head drafts chains (num_draft_tokens); tree needs a draft model")
         elif self.tree is not None:
             parents = resolve_tree(self.tree)
             if not isinstance(self.tree, str):
@@ -66,6 +71,8 @@ class DecodeMethod:
             return cls("ngram", k, tree, draft)
         if isinstance(draft, Model):
             return cls("draft", k, tree)
+        if isinstance(draft, EagleHead):
+            return cls("eagle", k, tree)
         raise InputError(f'draft must be a model from jaxspec.load, "ngram" or None; got {draft!r}')
 
     @property
@@ -74,8 +81,8 @@ class DecodeMethod:
 
     @property
     def drafter_kind(self) -> str | None:
-        """"model", "ngram" or None (plain), as summaries and logs report it."""
-        return {"draft": "model", "ngram": "ngram"}.get(self.kind)
+        """"model", "ngram", "eagle" or None (plain), as summaries and logs report it."""
+        return {"draft": "model", "ngram": "ngram", "eagle": "eagle"}.get(self.kind)
 
     @property
     def parents(self) -> Tree:
@@ -90,22 +97,29 @@ class DecodeMethod:
         "ngram K=4" or "ngram K=4 x3" (n-gram lookup, a tree of 3 branches)."""
         if self.kind == "ngram":
             return f"ngram K={self.k}" + (f" x{self.ngram.branches}" if self.ngram.branches > 1 else "")
+        if self.kind == "eagle":
+            return f"eagle K={self.k}"
         if self.tree is not None:
             return f"tree {self.tree}" if isinstance(self.tree, str) else f"tree of {len(self.tree)} nodes"
         return f"speculative K={self.k}" if self.k else "plain"
 
-    def drafter(self, draft: Model | None):
-        """(the static drafter, its arrays) for the speculative loop: n-gram lookup (no arrays) or
-        `draft`'s chain or tree (its weights)."""
+    def drafter(self, draft, target: Model):
+        """(the static drafter, its arrays) for the speculative loop: n-gram lookup (no arrays),
+        `draft`'s chain or tree (its weights), or an EAGLE-3 head's chain (its weights and the
+        target's embedding)."""
         if self.kind == "ngram":
             return self.ngram.drafter(self.k), None
+        if self.kind == "eagle":
+            draft.check_target(target.config, target.name)
+            layers = draft.config.layers_for(target.config)
+            return EagleDrafter(draft.config, self.parents, layers), (draft.weights, target.weights.embed)
         if not isinstance(draft, Model):
             raise InputError(f"decode method {self.name!r} needs a draft model; got {draft!r}")
         return ModelDrafter(draft.config, self.parents), draft.weights
 
-    def loop(self, config, draft: Model | None):
-        """(the decode Loop for a target of `config`, its params: the drafter's arrays or None)."""
+    def loop(self, target: Model, draft):
+        """(the decode Loop for `target`, its params: the drafter's arrays or None)."""
         if not self.speculative:
-            return PlainLoop(config), None
-        drafter, params = self.drafter(draft)
-        return SpeculativeLoop(config, drafter), params
+            return PlainLoop(target.config), None
+        drafter, params = self.drafter(draft, target)
+        return SpeculativeLoop(target.config, drafter), params

@@ -69,19 +69,22 @@ def _target_distribution(logits: jnp.ndarray, sampling: SamplingParams) -> jnp.n
 
 
 def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache, tokens, q, n, keys,
-           sampling: SamplingParams, greedy_only: bool, attention: str):
+           sampling: SamplingParams, greedy_only: bool, attention: str, features_at=()):
     """The target's pass over the proposed nodes and the lossless acceptance.
     tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
-    -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place)."""
+    -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,
+    the path's features [b, D+1, F] at features_at (forward's), or None without)."""
     t, D = plan.size, plan.max_depth
     is_chain = plan.parents == chain(t - 1)
     cache = cache.replace(lengths=n - 1)
     if is_chain:
-        logits, cache = forward(weights, config, tokens, cache, attention=attention)
+        logits, cache, *features = forward(weights, config, tokens, cache, attention=attention,
+                                           features_at=features_at)
     else:
         positions = (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]
-        logits, cache = forward(weights, config, tokens, cache, positions, jnp.asarray(ancestor_mask(plan.parents)),
-                                attention=attention)
+        logits, cache, *features = forward(weights, config, tokens, cache, positions,
+                                           jnp.asarray(ancestor_mask(plan.parents)), attention=attention,
+                                           features_at=features_at)
     uniforms = None if greedy_only else jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, : t - 1])
     p = None if greedy_only else _target_distribution(logits, sampling)
     if is_chain:
@@ -102,7 +105,8 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
         cache = move_path(cache, n - 1, path)
     j = jnp.arange(D + 1)[None, :]
     emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
-    return accepted, emitted, path, cache
+    path_features = jnp.take_along_axis(features[0], path[:, :, None], axis=1) if features else None
+    return accepted, emitted, path, cache, path_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,11 @@ class SpeculativeLoop:
     config: ModelConfig  # the target's
     drafter: Drafter
     result_fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the drafter reads (an EAGLE-3 head's), else none."""
+        return getattr(self.drafter, "feature_layers", ())
 
     @property
     def slack(self) -> int:
@@ -126,12 +135,14 @@ class SpeculativeLoop:
         c = self.config
         D = TreePlan.of(self.drafter.tree).max_depth
         b = batch.tokens.shape[0]
-        logits, t_cache = prefill(weights, c, batch, capacity, weights.embed.dtype)
+        layers = self.feature_layers
+        logits, t_cache, *features = prefill(weights, c, batch, capacity, weights.embed.dtype, layers)
         zeros = jnp.zeros((b,), jnp.int32)
         first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+        extra = {"features": features[0]} if layers else {}
         state = SpecState(
             target_cache=t_cache,
-            draft=self.drafter.init(params, batch, capacity, max_out, first),
+            draft=self.drafter.init(params, batch, capacity, max_out, first, **extra),
             prev_token=jnp.take_along_axis(batch.tokens, jnp.maximum(batch.prompt_lens - 1, 0)[:, None], 1)[:, 0],
             last_token=first,
             out_tokens=jnp.full((b, max_out), c.pad_token_id, jnp.int32),
@@ -159,10 +170,12 @@ class SpeculativeLoop:
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
         r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
         tokens, q, draft = drafter.propose(params, s.draft, r)
-        accepted, emitted, path, t_cache = verify(weights, c, plan, s.target_cache, tokens, q, n,
-                                                  keys[:, t - 1 :], batch.sampling, greedy_only, attention)
+        accepted, emitted, path, t_cache, features = verify(
+            weights, c, plan, s.target_cache, tokens, q, n, keys[:, t - 1 :], batch.sampling, greedy_only, attention,
+            self.feature_layers)
         s2, kept = commit_tokens(s, emitted, accepted + 1, batch, c.eos_token_ids)
-        draft = drafter.commit(params, draft, r, path, emitted, kept)
+        extra = {"features": features} if self.feature_layers else {}
+        draft = drafter.commit(params, draft, r, path, emitted, kept, **extra)
         # The last two committed tokens seed the next round.
         all_tokens = jnp.concatenate([s.last_token[:, None], emitted], axis=1)
         rows = jnp.arange(b)

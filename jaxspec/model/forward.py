@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache, cache_specs
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.quantize import Quantized, stored_values
@@ -154,24 +155,20 @@ def _write(cache, layer, rows, slots, new):
     return cache, cache[layer]
 
 
-def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis, lengths,
-           w: LayerWeights, x, cache_k, cache_v, layer=None):
-    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
-    [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
-    pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
-    ffn columns (c is then the shard's config): the o and down products are summed over it."""
+def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis,
+               lengths, w: LayerWeights, h, cache_k, cache_v, layer=None):
+    """Self-attention of normed inputs h [b, t, d_in] -> (its output projection [b, t, d], the
+    caches with the new keys and values written). See _layer for the other arguments."""
     total = (lambda y: y) if axis is None else (lambda y: lax.psum(y, axis))  # noqa: E731
-    b, t, _ = x.shape
+    b, t, _ = h.shape
     g = c.queries_per_kv
-
-    h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
     qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row), w.bqkv)  # j: g queries, key, value
     q = qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim)
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if c.qk_norm:
         q = rms_norm(q, w.q_norm, c.rms_norm_eps)
         k = rms_norm(k, w.k_norm, c.rms_norm_eps)
-    cos, sin = rope_tables(positions, inv_freq, x.dtype)
+    cos, sin = rope_tables(positions, inv_freq, h.dtype)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
@@ -189,12 +186,27 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, 
                               interpret=interpret)
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    x = x + _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row)), w.bo)
+    return _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row)), w.bo), cache_k, cache_v
 
-    h = rms_norm(x, w.mlp_norm, c.rms_norm_eps)
+
+def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis):
+    """The gated MLP of normed inputs h [b, t, d] -> [b, t, d] (summed over axis)."""
+    total = (lambda y: y) if axis is None else (lambda y: lax.psum(y, axis))  # noqa: E731
     gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row)
-    act = jax.nn.silu(gate) * up
-    x = x + _add(total(_project("btf,fd->btd", act, w.w_down, pad_one_row)), w.b_down)
+    return _add(total(_project("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, pad_one_row)), w.b_down)
+
+
+def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis, lengths,
+           w: LayerWeights, x, cache_k, cache_v, layer=None):
+    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
+    [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
+    pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
+    ffn columns (c is then the shard's config): the o and down products are summed over it."""
+    h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
+    attn, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, pallas, pad_one_row, axis, lengths,
+                                        w, h, cache_k, cache_v, layer)
+    x = x + attn
+    x = x + gated_mlp(w, rms_norm(x, w.mlp_norm, c.rms_norm_eps), pad_one_row, axis)
     return x, cache_k, cache_v
 
 
@@ -207,9 +219,12 @@ def forward(
     chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
     attention: str = "xla",  # "xla", or "pallas": the fused kernel for chunks of <= 64 tokens
     logits_at: jnp.ndarray | None = None,  # [b] or [b, m] int32: the positions whose logits are wanted
-) -> tuple[jnp.ndarray, KVCache]:
+    features_at: tuple[int, ...] = (),  # layers whose input (the residual stream) is also returned
+):
     """Runs t new tokens per row; returns (logits [b, t, v] float32 (or [b, m, v] at `logits_at`),
-    cache with their K/V written).
+    cache with their K/V written), and with features_at a third item: the hidden states entering
+    those layers, concatenated, [b, t, len(features_at) * d] (every token's: what an EAGLE-3
+    head reads, jaxspec.model.eagle).
 
     The cache's lengths are not advanced: the caller commits what it keeps. The layers run
     unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights. Weights split
@@ -221,17 +236,20 @@ def forward(
     if chunk_mask is None:
         chunk_mask = jnp.tril(jnp.ones((t, t), bool))
     inputs = (tokens, positions, chunk_mask, logits_at)
+    features_at = tuple(features_at)
     if weights.mesh is None:
-        return _forward(config, attention, None, weights, cache, *inputs)
+        out = _forward(config, attention, None, features_at, weights, cache, *inputs)
+        return out if features_at else out[:2]
     tp = weights.mesh.size
     run = jax.shard_map(
-        functools.partial(_forward, local_config(config, tp), attention, TP),
+        functools.partial(_forward, local_config(config, tp), attention, TP, features_at),
         mesh=weights.mesh,
         in_specs=(weight_specs(weights, config), cache_specs(cache)) + (PartitionSpec(),) * 4,
-        out_specs=(PartitionSpec(), cache_specs(cache)),
+        out_specs=(PartitionSpec(), cache_specs(cache), PartitionSpec()),
         check_vma=False,  # the Pallas kernel's outputs carry no replication annotations
     )
-    return run(weights, cache, *inputs)
+    out = run(weights, cache, *inputs)
+    return out if features_at else out[:2]
 
 def _embed(table, tokens, axis, vocab_size: int):
     """Rows of the embedding. Split by vocabulary over `axis`, each shard gives the rows it holds
@@ -244,8 +262,12 @@ def _embed(table, tokens, axis, vocab_size: int):
     return lax.psum(jnp.where(held[..., None], table[jnp.clip(local, 0, rows - 1)], 0), axis)
 
 
-def _forward(config, attention, axis, weights, cache, tokens, positions, chunk_mask, logits_at):
-    """forward on whole weights (axis None), or on one shard of them (config: the shard's)."""
+def _forward(config, attention, axis, features_at, weights, cache, tokens, positions, chunk_mask, logits_at):
+    """forward on whole weights (axis None), or on one shard of them (config: the shard's):
+    (logits, cache, features [b, t, len(features_at) * d], empty without features_at)."""
+    for i in features_at:
+        if not 0 <= i < config.num_layers:
+            raise InputError(f"feature layers must be in [0, {config.num_layers}); got {features_at}")
     t = tokens.shape[1]
     pallas = use_pallas(attention, config, t, cache.capacity)
     mask = None if pallas else attention_mask(
@@ -257,22 +279,30 @@ def _forward(config, attention, axis, weights, cache, tokens, positions, chunk_m
     unrolled = isinstance(weights.layers, tuple)  # the accelerators' layout (see Weights)
     layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, unrolled, axis,
                               cache.lengths)
+    features = [None] * len(features_at)
     if unrolled:  # unrolled over separate arrays
         new_k, new_v = [], []
         for i, (w, cache_k, cache_v) in enumerate(zip(weights.layers, cache.k, cache.v)):
+            features = [x if at == i else f for f, at in zip(features, features_at)]
             with jax.named_scope(f"layer{i}"):
                 x, cache_k, cache_v = layer(w, x, cache_k, cache_v)
             new_k.append(cache_k)
             new_v.append(cache_v)
         new_k, new_v = tuple(new_k), tuple(new_v)
     else:  # stacked, scanned (scan_layers)
-        def body(carry, xs):
-            x, cache_k, cache_v = carry
-            w, i = xs
-            return layer(w, x, cache_k, cache_v, i), None
+        at = jnp.asarray(features_at, jnp.int32)
 
-        (x, new_k, new_v), _ = jax.lax.scan(
-            body, (x, cache.k, cache.v), (weights.layers, jnp.arange(config.num_layers)))
+        def body(carry, xs):
+            x, cache_k, cache_v, feats = carry
+            w, i = xs
+            feats = jnp.where((at == i)[:, None, None, None], x[None], feats)  # the layers' inputs, kept
+            return (*layer(w, x, cache_k, cache_v, i), feats), None
+
+        feats = jnp.zeros((len(features_at),) + x.shape, x.dtype)
+        (x, new_k, new_v, feats), _ = jax.lax.scan(
+            body, (x, cache.k, cache.v, feats), (weights.layers, jnp.arange(config.num_layers)))
+        features = list(feats)
+    features = jnp.concatenate(features, axis=-1) if features_at else jnp.zeros(x.shape[:2] + (0,), x.dtype)
 
     if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
         at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
@@ -284,4 +314,4 @@ def _forward(config, attention, axis, weights, cache, tokens, positions, chunk_m
         logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
         logits = lax.all_gather(logits, axis, axis=2, tiled=True)
-    return logits, cache.replace(k=new_k, v=new_v)
+    return logits, cache.replace(k=new_k, v=new_v), features

@@ -23,6 +23,7 @@ from jaxspec.model.sharding import (
     replicate,
     serving_config,
 )
+from jaxspec.model.eagle import is_eagle3, load_eagle
 from jaxspec.model.quantize import check_scheme
 from jaxspec.model.weights import Weights, field_shardings, quantize_weights, weights_from_fields
 
@@ -104,6 +105,11 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
             raise InputError(f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     dtype = jnp.dtype(dtype or default_dtype())
+    if is_eagle3(path):
+        if tensor_parallel != 1 or quantize is not None:
+            raise InputError(f"{path.name} is an EAGLE-3 head: it loads whole and unquantized (tensor_parallel=1, "
+                             "quantize=None) and drafts for a target that may be split or quantized")
+        return load_eagle(path, dtype)
     config = load_config(path)
     tp = check_tensor_parallel(config, tensor_parallel, path.name)
     mesh = make_mesh(tp) if tp > 1 else None

@@ -70,13 +70,15 @@ def check_pair(target: Model, draft, method: DecodeMethod) -> None:
     if method.kind == "draft":
         check_draft_model(target, draft)
         replicated_on(draft, target.mesh)  # refuses a draft split other than its target, before any work
+    if method.kind == "eagle":
+        draft.check_target(target.config, target.name)
 
 
 def warn_if_low(outs: Completions, method: DecodeMethod, draft, target: Model, threshold: float) -> None:
     """Logs the low-acceptance warning for a draft model (lookup proposals cost no draft passes: a
     low rate is no warning sign there)."""
     rate = outs.metrics.acceptance_rate
-    if rate is not None and method.kind == "draft" and rate < threshold:
+    if rate is not None and method.kind in ("draft", "eagle") and rate < threshold:
         log.warning(low_acceptance_message(rate, threshold, draft.name, target.name))
 
 

@@ -37,7 +37,7 @@ def run(
     graphs = target.graphs if graphs is None else graphs
     if isinstance(draft, Model):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
-    loop, params = method.loop(target.config, draft)
+    loop, params = method.loop(target, draft)
     start, before = time.perf_counter(), graphs.counts()
     if scheduler == "static":
         results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done,

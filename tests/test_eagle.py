@@ -1,0 +1,179 @@
+"""EAGLE-3 heads (jaxspec.model.eagle, jaxspec.decoding.eagle): the published folder layout loads,
+the head's layer matches an independent torch transcription of SGLang's, the target's features
+match transformers' hidden states, the drafter's incremental bookkeeping proposes what a full
+recompute proposes after rounds of any acceptance, and speculative output equals plain output."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.decoding.drafting import Round
+from jaxspec.decoding.method import DecodeMethod
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.state import Batch
+from jaxspec.errors import InputError
+from jaxspec.model.cache import KVCache
+from jaxspec.model.eagle import fuse_features, head_cache, head_forward, random_eagle_folder
+from jaxspec.model.forward import forward
+
+HF = Path(__file__).resolve().parents[1] / "checkpoints" / "hf"
+PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):\n    ", "class Queue:\n    def put(self, x):"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return jaxspec.load(HF / "code-target-16m", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    folder = random_eagle_folder(tmp_path_factory.mktemp("eagle"), target.config, draft_vocab_size=1024, seed=3,
+                                 intermediate_size=512)
+    return jaxspec.load(folder, dtype="float32")
+
+
+def test_features_are_the_hidden_states_entering_each_layer(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tiny_models import save_tiny
+
+    folder = save_tiny(tmp_path / "m", "llama", {"num_hidden_layers": 4})
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = jaxspec.load(folder, dtype="float32")
+    tokens = np.array([[5, 17, 42, 7, 99, 3]], np.int32)
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens, dtype=torch.long), output_hidden_states=True).hidden_states
+    cache = KVCache.create(model.config, 1, 64, jnp.float32)
+    _, _, feats = forward(model.weights, model.config, jnp.asarray(tokens), cache, features_at=(0, 2, 3))
+    for j, layer in enumerate((0, 2, 3)):
+        got = np.asarray(feats[..., j * 64:(j + 1) * 64])
+        np.testing.assert_allclose(got, want[layer].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_head_layer_matches_a_torch_transcription_of_sglang(head, target):
+    """SGLang's LlamaForCausalLMEagle3 midlayer, written out in torch from the folder's tensors."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    t = load_file(str(head.path / "model.safetensors"))
+    c = head.config.layer
+    rng = np.random.default_rng(0)
+    T, d = 5, c.hidden_size
+    tokens = rng.integers(0, c.vocab_size, (1, T)).astype(np.int32)
+    feats = rng.standard_normal((1, T, 3 * d)).astype(np.float32)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w
+
+    emb = torch.tensor(np.asarray(target.weights.embed))[torch.tensor(tokens, dtype=torch.long)]
+    hidden = torch.tensor(feats) @ t["fc.weight"].T
+    x = torch.cat([rms(emb, t["midlayer.input_layernorm.weight"]), rms(hidden, t["midlayer.hidden_norm.weight"])], -1)
+    nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(1, T, nh, hd).transpose(1, 2)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(1, T, nkv, hd).transpose(1, 2)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(1, T, nkv, hd).transpose(1, 2)
+    inv = 1.0 / (c.rope.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    ang = torch.arange(T, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    rot = lambda y: torch.cat([-y[..., hd // 2:], y[..., : hd // 2]], -1)  # noqa: E731
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+    att = (q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.triu(torch.full((T, T), float("-inf")), 1)
+    o = (att.softmax(-1) @ v).transpose(1, 2).reshape(1, T, nh * hd) @ t["midlayer.self_attn.o_proj.weight"].T
+    res = hidden + o
+    m = rms(res, t["midlayer.post_attention_layernorm.weight"])
+    mlp = (torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T))
+    out = res + mlp @ t["midlayer.mlp.down_proj.weight"].T
+    logits = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+
+    w = head.weights
+    got_logits, got_out, _ = head_forward(w, head.config, target.weights.embed, jnp.asarray(tokens),
+                                          fuse_features(w, jnp.asarray(feats)), head_cache(head.config, 1, 64, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got_out), out.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got_logits), logits.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _reference_distributions(head, target, layers, seq, drafts):
+    """The head's distributions over the target's vocabulary for each of `drafts` after committed
+    tokens seq (s[n-1] pending), from scratch: the target's features of seq[:-1], every pair
+    through the head in one pass, then one step per draft on its own output."""
+    w, c = head.weights, head.config
+    n = len(seq)
+    cache = KVCache.create(target.config, 1, 256, jnp.float32)
+    _, _, feats = forward(target.weights, target.config, jnp.asarray([seq[:-1]]), cache, features_at=layers)
+    hcache = head_cache(c, 1, 256, jnp.float32)
+    logits, out, hcache = head_forward(w, c, target.weights.embed, jnp.asarray([seq[1:]]), fuse_features(w, feats),
+                                       hcache)
+    logits, h = logits[:, -1], out[:, -1:]
+    hcache = hcache.replace(lengths=jnp.asarray([n - 1]))
+    qs = []
+    for token in drafts:
+        qs.append(jnp.zeros(c.layer.vocab_size).at[w.d2t].set(jax.nn.softmax(logits[0])))
+        logits, h, hcache = head_forward(w, c, target.weights.embed, jnp.asarray([[token]]), h, hcache)
+        logits = logits[:, 0]
+        hcache = hcache.replace(lengths=hcache.lengths + 1)
+    return jnp.stack(qs)
+
+
+def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, target):
+    """Rounds are played by hand on a fixed text, accepting 0, 3, 1 and 2 drafts: after each, the
+    distributions the drafter drew its chain from must be what the head computes from scratch
+    on everything committed (sampling at temperature 1, so they are whole distributions)."""
+    K = 3
+    method = DecodeMethod.of(head, K)
+    drafter, params = method.drafter(head, target)
+    layers = drafter.feature_layers
+    text = list(target.tokenizer.encode(PROMPTS[1] + "return [f for f in os.listdir(path) if f.endswith('.py')]"))
+    P = 8
+    sampling = SamplingParams(jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+    batch = Batch(jnp.asarray([text[:P]], jnp.int32), jnp.asarray([P], jnp.int32), jnp.asarray([64], jnp.int32),
+                  sampling, jnp.zeros(1, jnp.uint32))
+    cache = KVCache.create(target.config, 1, 64, jnp.float32)
+    _, _, feats = forward(target.weights, target.config, batch.tokens, cache, features_at=layers)
+    state = drafter.init(params, batch, 64, 32, jnp.asarray([text[P]]), features=feats)
+    n = P + 1  # committed: the prompt and its first token
+    for i, accepted in enumerate((0, 3, 1, 2)):
+        keys = jax.random.split(jax.random.PRNGKey(i), K)[None]
+        r = Round(jnp.asarray([n]), jnp.asarray([text[n - 2]]), jnp.asarray([text[n - 1]]), keys, sampling, False,
+                  "xla")
+        drafts, q, state = drafter.propose(params, state, r)
+        want = _reference_distributions(head, target, layers, text[:n], [int(x) for x in drafts[0, 1:]])
+        np.testing.assert_allclose(np.asarray(q[0]), np.asarray(want), atol=1e-5)
+        # The target verified [s[n-1], K tokens of the text]; the first `accepted` count as drafts.
+        cache = KVCache.create(target.config, 1, 64, jnp.float32)
+        _, _, feats = forward(target.weights, target.config, jnp.asarray([text[: n + K]]), cache, features_at=layers)
+        path = jnp.arange(K + 1)[None]
+        emitted = jnp.asarray([text[n : n + K + 1]])
+        state = drafter.commit(params, state, r, path, emitted, jnp.asarray([accepted + 1]),
+                               features=feats[:, n - 1 : n + K])
+        n += accepted + 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_speculative_output_equals_plain_output(head, target, batch_size):
+    plain = jaxspec.generate(PROMPTS, target, max_new_tokens=20, max_batch_size=batch_size)
+    spec = jaxspec.generate(PROMPTS, target, head, num_draft_tokens=3, max_new_tokens=20, max_batch_size=batch_size,
+                            warn_below_acceptance=0.0)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert all(c.stats.drafted > 0 for c in spec)
+
+
+def test_a_head_that_does_not_fit_its_target_is_refused_by_name(target, tmp_path):
+    folder = random_eagle_folder(tmp_path / "wide", target.config, draft_vocab_size=256, fc_width=3 * 512)
+    wide = jaxspec.load(folder, dtype="float32")
+    with pytest.raises(InputError, match=r"fc.weight reads 1536 features = 3 x 512, but code-target-16m's hidden size is 384"):
+        jaxspec.generate(PROMPTS[:1], target, wide, max_new_tokens=4)
+    with pytest.raises(InputError, match="EAGLE-3 head drafts chains"):
+        jaxspec.generate(PROMPTS[:1], target, wide, tree="binary-3", max_new_tokens=4)
+
+
+def test_jit_sees_one_graph_for_the_drafter(head, target):
+    """The drafter is static and hashable: the loop's jit keys on it."""
+    a, _ = DecodeMethod.of(head, 3).drafter(head, target)
+    b, _ = DecodeMethod.of(head, 3).drafter(head, target)
+    assert hash(a) == hash(b) and a == b and jax.tree.leaves(a) == [a]
