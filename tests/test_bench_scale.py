@@ -65,6 +65,21 @@ def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
     assert "| spec round | K=1" in capsys.readouterr().out
 
 
+@pytest.mark.timing
+def test_the_eagle_part_times_a_head_at_the_targets_width(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--shape", "tiny", "--no-hf", "--parts", "plain,eagle", "--prompt-lens", "32",
+                     "--new-tokens", "8", "--batch-sizes", "1", "--eagle-k", "2", "--eagle-draft-vocab", "128",
+                     "--eagle-tokens-per-round", "2=2.5", "--repeats", "1", "--json", str(out)]) == 0
+    rows = {r["part"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain", "head_step", "spec", "projection"}
+    step, spec = rows["head_step"], rows["spec"]
+    assert step["draft_vocab"] == 128 and step["ms"] > 0 and step["floor_ms"] > 0
+    assert spec["method"] == "eagle K=2" and 1 <= spec["rounds"] <= 7 and spec["draft_ms"] > step["ms"]
+    assert rows["projection"]["tokens_per_round"] == 2.5
+    assert "| head step |" in capsys.readouterr().out
+
+
 def test_scheduler_bench_compares_both_cases_record_by_record(tmp_path):
     """`bench --parts continuous`: static and continuous rows in both lengths cases, each
     continuous row with every record's tokens equal to the static scheduler's."""

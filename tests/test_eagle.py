@@ -177,3 +177,67 @@ def test_jit_sees_one_graph_for_the_drafter(head, target):
     a, _ = DecodeMethod.of(head, 3).drafter(head, target)
     b, _ = DecodeMethod.of(head, 3).drafter(head, target)
     assert hash(a) == hash(b) and a == b and jax.tree.leaves(a) == [a]
+
+
+def test_training_time_test_steps_are_what_drafting_computes(target, tmp_path):
+    """scripts/train_eagle.py's unrolled steps (jaxspec.model.eagle_train) against the engine's
+    head on the saved folder: step 1 at every position is the head over the true pairs; step s
+    at position i is the engine's s-th draft step there, after true pairs up to i - s + 1."""
+    import dataclasses
+
+    from jaxspec.model.eagle import default_feature_layers, save_eagle_folder
+    from jaxspec.model.eagle_train import init_params, to_published, ttt_logits
+
+    c = target.config
+    layers = default_feature_layers(c.num_layers)
+    draft_ids = np.arange(0, c.vocab_size, 4)
+    params = init_params(target, draft_ids, 256, seed=1)
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(2), a.shape), params)
+    head = jaxspec.load(save_eagle_folder(tmp_path / "h", c, to_published(params, c, draft_ids), layers),
+                        dtype="float32")
+    config = dataclasses.replace(c, num_layers=1, intermediate_size=256)
+    tokens = jnp.asarray([target.tokenizer.encode("def add(a, b):\n    return a + b\n")[:12]], jnp.int32)
+    T = tokens.shape[1]
+    _, _, feats = forward(target.weights, c, tokens, KVCache.create(c, 1, 64, jnp.float32), features_at=layers)
+    steps = ttt_logits(params, config, target.weights.embed, feats, tokens, 3)
+
+    w, embed = head.weights, target.weights.embed
+    logits1, out1, _ = head_forward(w, head.config, embed, tokens[:, 1:], fuse_features(w, feats[:, : T - 1]),
+                                    head_cache(head.config, 1, 64, jnp.float32))
+    np.testing.assert_allclose(np.asarray(steps[0]), np.asarray(logits1), rtol=2e-4, atol=2e-4)
+    for i in (4, 9):
+        for s in (2, 3):
+            start = i - s + 2  # the chain's first own step: true pairs 0 .. start - 1 are cached
+            cache = head_cache(head.config, 1, 64, jnp.float32)
+            _, _, cache = head_forward(w, head.config, embed, tokens[:, 1 : start + 1],
+                                       fuse_features(w, feats[:, :start]), cache)
+            cache = cache.replace(lengths=jnp.asarray([start]))
+            h = out1[:, start - 1 : start]
+            for p in range(start, i + 1):
+                logits, h, cache = head_forward(w, head.config, embed, tokens[:, p + 1 : p + 2], h, cache)
+                cache = cache.replace(lengths=cache.lengths + 1)
+            np.testing.assert_allclose(np.asarray(steps[s - 1][:, i]), np.asarray(logits[:, 0]), rtol=2e-4, atol=2e-4)
+
+
+def test_the_training_script_writes_a_head_that_drafts(target, tmp_path):
+    """scripts/train_eagle.py end to end at toy size: a corpus folder in, a published-layout
+    folder out that loads and drafts losslessly."""
+    import importlib.util
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    source = Path(jaxspec.__file__).parent
+    for f in sorted(source.glob("decoding/*.py"))[:6]:
+        (corpus / f.name).write_text(f.read_text())
+    spec = importlib.util.spec_from_file_location("train_eagle", Path(__file__).parents[1] / "scripts" / "train_eagle.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "head"
+    assert script.main(["--corpus", str(corpus), "--out", str(out), "--steps", "2", "--batch-size", "2",
+                        "--seq-len", "32", "--draft-vocab", "512", "--intermediate-size", "128",
+                        "--eval-prompts", "0"]) == 0
+    head = jaxspec.load(out, dtype="float32")
+    assert head.config.draft_vocab_size == 512 and head.config.feature_layers == (2, 3, 3)
+    plain = jaxspec.generate(PROMPTS[:1], target, max_new_tokens=8)
+    assert jaxspec.generate(PROMPTS[:1], target, head, max_new_tokens=8, warn_below_acceptance=0)[0].token_ids \
+        == plain[0].token_ids

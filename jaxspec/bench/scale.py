@@ -13,12 +13,15 @@ on one day:
     (draft passes + one verify pass, from the forward costs): the engine's own overhead;
   * a projection of the speculative speedup at the embedded code pair's acceptance, measured in
     the same run (random weights accept nothing, so this is labelled a projection);
+  * an EAGLE-3 head at the target's width (part `eagle`, jaxspec.bench.eagle_costs): its step
+    against its floor, and its rounds, projected at given tokens per round;
   * prefill tokens/s and FLOP/s at one prompt length, against the matmul rate;
   * HF transformers at the same shapes (its own process, before JAX takes the GPU).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import subprocess
@@ -33,7 +36,8 @@ import numpy as np
 from jaxspec.bench.common import machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.schedulers import lengths_cases, lognormal_requests, scheduler_rows
-from jaxspec.bench.shapes import random_model, step_weight_bytes
+from jaxspec.bench.eagle_costs import head_ms, head_step_bytes
+from jaxspec.bench.shapes import random_head, random_model, step_weight_bytes
 from jaxspec.model.quantize import SCHEMES
 from jaxspec.checks import int_list
 from jaxspec.decoding.ngram import Ngram
@@ -46,7 +50,7 @@ from jaxspec.model.loading import load, replicated_on
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.generate import build_requests, generate, resolve_attention
 
-PARTS = ("hf", "plain", "forward", "spec", "prefill", "acceptance", "continuous")
+PARTS = ("hf", "plain", "forward", "spec", "prefill", "acceptance", "continuous", "eagle")
 
 
 def add_scale_args(p) -> None:
@@ -71,11 +75,24 @@ def add_scale_args(p) -> None:
     g.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     g.add_argument("--quantize", choices=SCHEMES, help="the target's projections in 8 bits (default: none)")
     g.add_argument("--draft-quantize", choices=SCHEMES, help="the draft's projections in 8 bits (default: none)")
+    g.add_argument("--eagle-k", type=int_list, default=[3, 5, 7], help="eagle part: chain lengths (default 3,5,7)")
+    g.add_argument("--eagle-draft-vocab", type=int, default=32000,
+                   help="eagle part: the head's draft vocabulary (default 32000, as Llama 3.1 8B's published heads)")
+    g.add_argument("--eagle-tokens-per-round", type=tokens_per_round, default={},
+                   help="eagle part: K=tokens pairs (e.g. 3=2.9,5=3.3) to project the speedup at (default: none)")
     g.add_argument("--job-records-per-slot", type=int, default=8,
                    help="continuous part, --shape: records of the lognormal-budget job per batch slot (default 8)")
     g.add_argument("--refill-at", type=int_list, help="continuous part: refill policies to time (default: the engine's)")
     g.add_argument("--lengths", type=lengths_cases, default="seen,hidden",
                    help="continuous part: cases of the job (jaxspec.bench.schedulers), comma-separated (default seen,hidden)")
+
+
+def tokens_per_round(text: str) -> dict[int, float]:
+    """"3=2.9,5=3.3" -> {3: 2.9, 5: 3.3}."""
+    try:
+        return {int(k): float(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K=tokens pairs like 3=2.9,5=3.3; got {text!r}") from None
 
 
 def _best(fn, repeats: int) -> float:
@@ -206,6 +223,40 @@ def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, co
     return {"part": "spec", "method": method, "compile_s": compile_s,
             "rounds": rounds, "ms_per_round": round_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
             "overhead": round_ms / (draft_ms + verify_ms) - 1}
+
+
+def eagle_rows(target, args, prompt_len: int, new_tokens: int, repeats: int, attention: str, bw: float, costs: dict,
+               plain: dict | None, emit) -> None:
+    """The eagle part (jaxspec.bench.eagle_costs): a random head at the target's sizes, its step
+    against its floor, and rounds of each K through generate against their parts."""
+    if target.tensor_parallel > 1:
+        raise SystemExit("--parts eagle: EAGLE-3 heads draft for a whole target (no --tensor-parallel) for now")
+    c, P = target.config, prompt_len
+    head = random_head(c, min(args.eagle_draft_vocab, c.vocab_size), dtype=target.dtype, seed=args.seed + 2)
+    embed = target.weights.embed
+    step = head_ms(head, embed, P, 1, False, 16, repeats, _best)
+    kv = 2 * P * c.num_kv_heads * c.head_dim * target.dtype.itemsize
+    floor = 1000 * (head_step_bytes(head) + kv) / bw
+    emit({"part": "head_step", "model": f"{head.name} for {target.name}", "ms": step, "floor_ms": floor,
+          "of_floor": floor / step, "draft_vocab": head.config.draft_vocab_size})
+    prompts = _prompts(c.vocab_size, 1, P, args.seed)
+    for k in args.eagle_k:
+        first = head_ms(head, embed, P, k + 1, True, 16, repeats, _best)
+        verify = costs.get(("target", f"t={k + 1}")) or forward_ms(target, 1, P, np.tril(np.ones((k + 1,) * 2, bool)),
+                                                                   attention, steps=16, repeats=repeats)
+        compile_s, outs = _generate(prompts, target, head, new_tokens, repeats, attention, num_draft_tokens=k)
+        pre = _prefill_s(target, prompts, new_tokens, k + 2, repeats)
+        pre += head_ms(head, embed, 0, bucket(P), True, 1, repeats, _best) / 1000  # the head's prompt pass
+        rounds = sum(o.stats.target_steps - 1 for o in outs)
+        round_ms = 1000 * (outs.metrics.decode_s - pre) / rounds
+        draft_ms = first + (k - 1) * step
+        emit({"part": "spec", "method": f"eagle K={k}", "compile_s": compile_s, "rounds": rounds,
+              "ms_per_round": round_ms, "draft_ms": draft_ms, "verify_ms": verify,
+              "overhead": round_ms / (draft_ms + verify) - 1})
+        if plain and k in args.eagle_tokens_per_round:
+            tpr = args.eagle_tokens_per_round[k]
+            emit({"part": "projection", "method": f"eagle K={k}", "tokens_per_round": tpr,
+                  "projected_speedup": tpr * plain["ms_per_step"] / round_ms})
 
 
 def prefill_row(model, prompt_len: int, repeats: int, rate: float, seed: int):
@@ -344,6 +395,8 @@ def run_scale_bench(args) -> int:
                 tpr = acc[row["method"]]["tokens_per_round"]
                 emit({"part": "projection", "method": row["method"], "tokens_per_round": tpr,
                       "projected_speedup": tpr * plain["ms_per_step"] / row["ms_per_round"]})
+    if "eagle" in parts:
+        eagle_rows(target, args, P, N, R, attention, bw, costs, plain, emit)
     if "prefill" in parts:
         emit(prefill_row(target, args.prefill_len, R, rate, args.seed))
     if "continuous" in parts:
@@ -369,8 +422,9 @@ def _print_summary(result: dict) -> None:
         elif part == "forward":
             rel = f"{r['vs_one_token']:.2f}x" if r["vs_one_token"] else "-"
             print(f"| forward | {r['model']} {r['size']} | {r['ms']:.2f} | - | {rel} |")
-        elif part == "draft_step":
-            print(f"| draft step | {r['model']} | {r['ms']:.2f} | - | {r['of_floor']:.2f} of {r['floor_ms']:.2f} ms |")
+        elif part in ("draft_step", "head_step"):
+            print(f"| {part.replace('_', ' ')} | {r['model']} | {r['ms']:.2f} | - | {r['of_floor']:.2f} of "
+                  f"{r['floor_ms']:.2f} ms |")
         elif part == "spec":
             print(f"| spec round | {r['method']} (draft {r['draft_ms']:.2f} + verify {r['verify_ms']:.2f}) | "
                   f"{r['ms_per_round']:.2f} | - | {100 * r['overhead']:+.1f}% |")

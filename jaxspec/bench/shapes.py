@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxspec.errors import InputError
 from jaxspec.model import layout
 from jaxspec.model.config import ModelConfig, config_from_hf
+from jaxspec.model.eagle import FEATURES, EagleConfig, EagleHead, EagleWeights
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import (
     check_tensor_parallel,
@@ -33,6 +34,7 @@ from jaxspec.model.weights import (
     LayerWeights,
     Weights,
     arrange_layers,
+    fuse_layer,
     place,
     quantize_weights,
 )
@@ -151,6 +153,32 @@ def random_model(name: str, dtype="bfloat16", seed: int = 0, tensor_parallel: in
         weights = quantize_weights(weights, config, quantize)
     return Model(config, weights, None, name + (f"-{quantize}" if quantize else ""), Path(name), dtype, mesh,
                  quantize=quantize)
+
+
+def random_head(target: ModelConfig, draft_vocab_size: int, intermediate_size: int | None = None,
+                dtype="bfloat16", seed: int = 0, name: str = "eagle3") -> EagleHead:
+    """An EAGLE-3 head of random weights at `target`'s width (the published heads' sizes: Llama
+    3.1 8B's have a 32000-token draft vocabulary and the target's MLP width), made on the default
+    device; the target's embedding table serves it."""
+    layer = dataclasses.replace(target, num_layers=1, intermediate_size=intermediate_size or target.intermediate_size)
+    config = EagleConfig(layer, target.hidden_size, draft_vocab_size)
+    d, f, nh, nkv, hd = layer.hidden_size, layer.intermediate_size, layer.num_heads, layer.num_kv_heads, layer.head_dim
+    dtype = jnp.dtype(dtype)
+    key = jax.random.PRNGKey(seed)
+
+    def make(*shape, norm=False):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return _maker(shape, dtype, norm, None)(sub)
+
+    fields = {"attn_norm": make(d, norm=True), "mlp_norm": make(d, norm=True), "wq": make(2 * d, nh, hd),
+              "wk": make(2 * d, nkv, hd), "wv": make(2 * d, nkv, hd), "wo": make(nh, hd, d), "w_gate": make(d, f),
+              "w_up": make(d, f), "w_down": make(f, d)}
+    weights = EagleWeights(fc=make(FEATURES * d, d), embed_norm=make(d, norm=True),
+                           layer=LayerWeights(**fuse_layer(layer, fields, layout.fuse_mlp())),
+                           final_norm=make(d, norm=True), lm_head=make(d, draft_vocab_size),
+                           d2t=jnp.arange(draft_vocab_size, dtype=jnp.int32) * (target.vocab_size // draft_vocab_size))
+    return EagleHead(config, weights, name, Path(name), dtype)
 
 
 def weight_bytes(weights: Weights) -> int:

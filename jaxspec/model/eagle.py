@@ -215,14 +215,47 @@ def fuse_features(w: EagleWeights, features: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("btf,fd->btd", features.astype(w.fc.dtype), w.fc)
 
 
-def random_eagle_folder(folder: str | Path, target: ModelConfig, draft_vocab_size: int | None = None,
-                        seed: int = 0, fc_width: int | None = None, intermediate_size: int | None = None) -> Path:
-    """Writes an EAGLE-3 head of random weights for `target` in the published layout (tests, and
-    benchmarks at real shapes); fc_width overrides fc's input width (to test the refusal)."""
+def save_eagle_folder(folder: str | Path, target: ModelConfig, tensors: dict[str, np.ndarray],
+                      feature_layers: tuple[int, ...] | None = None, dtype: str = "float32") -> Path:
+    """Writes an EAGLE-3 head for `target` in the published layout: `tensors` under their
+    published names (torch's [out, in] orientation; d2t, t2d) and the config.json SGLang and vLLM
+    read, its sizes taken from the tensors."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    d = tensors["norm.weight"].shape[0]
+    f = tensors["midlayer.mlp.down_proj.weight"].shape[1]
+    hd = target.head_dim
+    # safetensors' numpy writer takes each buffer as laid out: a transposed view came back wrong
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    config = {
+        "architectures": list(ARCHITECTURES), "model_type": "llama", "hidden_size": d, "intermediate_size": f,
+        "num_attention_heads": tensors["midlayer.self_attn.q_proj.weight"].shape[0] // hd,
+        "num_key_value_heads": tensors["midlayer.self_attn.k_proj.weight"].shape[0] // hd, "head_dim": hd,
+        "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope.theta,
+        "vocab_size": target.vocab_size, "draft_vocab_size": tensors["lm_head.weight"].shape[0],
+        "target_hidden_size": target.hidden_size, "max_position_embeddings": target.max_position_embeddings,
+        "hidden_act": "silu", "torch_dtype": dtype,
+    }
+    if feature_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(feature_layers)}
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return folder
+
+
+def draft_vocab_tensors(draft_ids: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
+    """d2t (draft id -> target id - draft id) and t2d (target ids the draft vocabulary holds)."""
+    draft_ids = np.sort(np.asarray(draft_ids))
+    t2d = np.zeros(vocab_size, bool)
+    t2d[draft_ids] = True
+    return {"d2t": (draft_ids - np.arange(len(draft_ids))).astype(np.int64), "t2d": t2d}
+
+
+def random_eagle_folder(folder: str | Path, target: ModelConfig, draft_vocab_size: int | None = None,
+                        seed: int = 0, fc_width: int | None = None, intermediate_size: int | None = None) -> Path:
+    """Writes an EAGLE-3 head of random weights for `target` in the published layout (tests, and
+    benchmarks at real shapes); fc_width overrides fc's input width (to test the refusal)."""
     d, V = target.hidden_size, target.vocab_size
     Vd = draft_vocab_size or V
     nh, nkv, hd = target.num_heads, target.num_kv_heads, target.head_dim
@@ -230,9 +263,6 @@ def random_eagle_folder(folder: str | Path, target: ModelConfig, draft_vocab_siz
     rng = np.random.default_rng(seed)
     dense = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)  # noqa: E731
     ones = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
-    draft_ids = np.sort(rng.choice(V, Vd, replace=False)) if Vd < V else np.arange(V)
-    t2d = np.zeros(V, bool)
-    t2d[draft_ids] = True
     tensors = {
         "fc.weight": dense(d, fc_width or FEATURES * d),
         "midlayer.input_layernorm.weight": ones(d), "midlayer.hidden_norm.weight": ones(d),
@@ -240,16 +270,7 @@ def random_eagle_folder(folder: str | Path, target: ModelConfig, draft_vocab_siz
         "midlayer.self_attn.q_proj.weight": dense(nh * hd, 2 * d), "midlayer.self_attn.k_proj.weight": dense(nkv * hd, 2 * d),
         "midlayer.self_attn.v_proj.weight": dense(nkv * hd, 2 * d), "midlayer.self_attn.o_proj.weight": dense(d, nh * hd),
         "midlayer.mlp.gate_proj.weight": dense(f, d), "midlayer.mlp.up_proj.weight": dense(f, d),
-        "midlayer.mlp.down_proj.weight": dense(d, f), "norm.weight": ones(d),
-        "lm_head.weight": dense(Vd, d), "d2t": (draft_ids - np.arange(Vd)).astype(np.int64), "t2d": t2d,
+        "midlayer.mlp.down_proj.weight": dense(d, f), "norm.weight": ones(d), "lm_head.weight": dense(Vd, d),
+        **draft_vocab_tensors(rng.choice(V, Vd, replace=False) if Vd < V else np.arange(V), V),
     }
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = {
-        "architectures": list(ARCHITECTURES), "model_type": "llama", "hidden_size": d, "intermediate_size": f,
-        "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "num_hidden_layers": 1,
-        "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope.theta, "vocab_size": V,
-        "draft_vocab_size": Vd, "target_hidden_size": d, "max_position_embeddings": target.max_position_embeddings,
-        "hidden_act": "silu", "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder
+    return save_eagle_folder(folder, target, tensors)
