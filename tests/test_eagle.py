@@ -241,3 +241,13 @@ def test_the_training_script_writes_a_head_that_drafts(target, tmp_path):
     plain = jaxspec.generate(PROMPTS[:1], target, max_new_tokens=8)
     assert jaxspec.generate(PROMPTS[:1], target, head, max_new_tokens=8, warn_below_acceptance=0)[0].token_ids \
         == plain[0].token_ids
+
+
+def test_the_canary_tries_the_head_at_each_k(head):
+    from jaxspec.jobs.canary import candidates
+    from jaxspec.jobs.settings import JobSettings
+
+    settings = JobSettings(auto=True)
+    methods = candidates(head, settings)
+    assert methods[0] == DecodeMethod() and [m.k for m in methods if m.kind == "eagle"] == list(settings.auto_ks)
+    assert all(m.ngram is None or m.kind == "ngram" for m in methods)

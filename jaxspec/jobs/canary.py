@@ -15,8 +15,10 @@ import logging
 import math
 
 from jaxspec.decoding.method import DecodeMethod
+from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import check_sample
+from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model
 from jaxspec.serving.batching import bucket
 from jaxspec.serving.generate import resolve_attention
@@ -177,13 +179,16 @@ def _decide(trials: list[Trial], min_speedup: float) -> tuple[Trial, str]:
 
 def candidates(draft, settings) -> list[DecodeMethod]:
     """The canary's methods: plain first, then the draft model at each of settings.auto_ks and each
-    named tree in settings.auto_trees (when the draft is a model), and n-gram lookup at each of
-    settings.auto_ngram_ks (the draft's lookup settings when it is an Ngram)."""
+    named tree in settings.auto_trees (when the draft is a model), or an EAGLE-3 head's chain at
+    each K, and n-gram lookup at each of settings.auto_ngram_ks (the draft's lookup settings when
+    it is an Ngram)."""
     methods = [DecodeMethod()]
     if isinstance(draft, Model):
         methods += [DecodeMethod("draft", k) for k in settings.auto_ks]
         methods += [DecodeMethod("draft", tree=name) for name in settings.auto_trees]
-    ngram = draft if draft is not None and not isinstance(draft, Model) else None
+    if isinstance(draft, EagleHead):
+        methods += [DecodeMethod("eagle", k) for k in settings.auto_ks]
+    ngram = draft if isinstance(draft, Ngram) else None
     methods += [DecodeMethod("ngram", k, ngram=ngram) for k in settings.auto_ngram_ks]
     return list(dict.fromkeys(methods))
 
@@ -212,7 +217,7 @@ def run_canary(
         raise InputError(f"auto_repeats must be >= 1; got {repeats!r}")
     if not methods or methods[0].speculative:
         raise InputError("the canary's first method must be plain decoding, its baseline")
-    if draft is None and any(m.kind == "draft" for m in methods):
+    if draft is None and any(m.kind in ("draft", "eagle") for m in methods):
         raise InputError("the canary's draft-model candidates (ks, trees) need a draft model")
     trials = [Trial(m) for m in methods]
     active = list(trials)

@@ -52,6 +52,7 @@ from jaxspec.jobs.output import (
 from jaxspec.jobs.ray_workers import check_ray, run_on_ray
 from jaxspec.jobs.records import Record, check_unique, prepare, read_input
 from jaxspec.jobs.settings import JobSettings
+from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model
 from jaxspec.serving.generate import check_pair
 from jaxspec.serving.warnings import low_acceptance_message
@@ -235,7 +236,7 @@ class _Job:
         # sample runs at the job's batch size even where it spans two buckets.
         by_length = sorted(sample, key=lambda r: len(r.request.token_ids))
         chunks = [by_length[i : i + s.batch_size] for i in range(0, len(by_length), s.batch_size)]
-        model = self.draft if isinstance(self.draft, Model) else None
+        model = self.draft if isinstance(self.draft, (Model, EagleHead)) else None
         self.decision = run_canary(
             self.target, model, [[r.request for r in c] for c in chunks], s.batch_size, self.canary_methods,
             repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass,
