@@ -53,6 +53,20 @@ def test_embedded_pair_split_two_ways_decodes_the_same_tokens(real_pair, split_p
         c.stats.accepted_per_position for c in jaxspec.generate(PROMPTS[:2], target, "ngram", **lookup)]
 
 
+def test_an_eagle3_head_drafts_for_a_split_target(real_pair, split_pair, tmp_path):
+    """The head whole on each device; the split target hands it features gathered whole."""
+    from jaxspec.model.eagle import random_eagle_folder
+
+    target, split = real_pair[0], split_pair[0]
+    head = jaxspec.load(random_eagle_folder(tmp_path / "head", target.config, draft_vocab_size=1024, seed=3),
+                        dtype="float32")
+    kw = dict(num_draft_tokens=3, max_new_tokens=16, warn_below_acceptance=0.0)
+    whole = jaxspec.generate(PROMPTS[:2], target, head, **kw)
+    spec = jaxspec.generate(PROMPTS[:2], split, head, **kw)
+    assert _tokens(spec) == _tokens(whole) == _tokens(jaxspec.generate(PROMPTS[:2], target, max_new_tokens=16))
+    assert [c.stats.accepted_per_position for c in spec] == [c.stats.accepted_per_position for c in whole]
+
+
 def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_pair, monkeypatch):
     """The accelerators' static path: the shared loop is compiled from the prefill's output
     shardings, and K=3 on the split target gives the whole target's tokens."""

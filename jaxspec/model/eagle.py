@@ -74,7 +74,7 @@ class EagleWeights:
     embed: jnp.ndarray | None = None  # [V, d]; None: the target's
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class EagleHead:
     """What jaxspec.load returns for an EAGLE-3 folder: pass it as the draft."""
 
@@ -83,6 +83,7 @@ class EagleHead:
     name: str
     path: Path
     dtype: jnp.dtype
+    mesh: object = None  # the mesh of a split target it runs beside, whole on each device (replicated_on)
 
     def check_target(self, target: ModelConfig, target_name: str = "target") -> None:
         """Raises InputError, naming both, when this head cannot draft for `target`."""

@@ -23,7 +23,7 @@ from jaxspec.model.sharding import (
     replicate,
     serving_config,
 )
-from jaxspec.model.eagle import is_eagle3, load_eagle
+from jaxspec.model.eagle import EagleHead, is_eagle3, load_eagle
 from jaxspec.model.quantize import check_scheme
 from jaxspec.model.weights import Weights, field_shardings, quantize_weights, weights_from_fields
 
@@ -134,9 +134,10 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     return Model(config, weights, load_tokenizer(path), name, path, dtype, mesh, quantize=quantize)
 
 
-def replicated_on(model: Model, mesh) -> Model:
-    """`model` whole on every device of `mesh` (a small draft beside a split target), so one
-    compiled graph runs both. A model already on that mesh is returned as it is."""
+def replicated_on(model: Model | EagleHead, mesh) -> Model | EagleHead:
+    """`model` (a draft model or an EAGLE-3 head) whole on every device of `mesh` (a small draft
+    beside a split target), so one compiled graph runs both. A model already on that mesh is
+    returned as it is."""
     if model.mesh == mesh:
         return model
     if model.mesh is not None or mesh is None:

@@ -8,6 +8,7 @@ import time
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
+from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model, replicated_on
 from jaxspec.serving.continuous import ADMIT_ORDERS, run_slots
 from jaxspec.serving.requests import Request
@@ -35,7 +36,7 @@ def run(
     if admit_order not in ADMIT_ORDERS:
         raise InputError(f"admit_order must be one of {', '.join(ADMIT_ORDERS)}; got {admit_order!r}")
     graphs = target.graphs if graphs is None else graphs
-    if isinstance(draft, Model):
+    if isinstance(draft, (Model, EagleHead)):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
     loop, params = method.loop(target, draft)
     start, before = time.perf_counter(), graphs.counts()
