@@ -19,7 +19,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxspec.bench.scale import _best, jax_copy_bandwidth
+from jaxspec.bench.common import best_seconds
+from jaxspec.bench.scale import jax_copy_bandwidth
 from jaxspec.bench.shapes import SHAPES, shape_config
 from pallas_kernels.matmul import matmul
 
@@ -58,7 +59,7 @@ def timed(fn, w, x, scale, repeats: int) -> float:
         return jax.lax.fori_loop(0, loops, one_pass, x)
 
     f = jax.jit(passes)
-    return _best(lambda: f(w, x, scale).block_until_ready(), repeats) / (loops * len(w))
+    return best_seconds(lambda: f(w, x, scale).block_until_ready(), repeats) / (loops * len(w))
 
 
 def main(argv=None):

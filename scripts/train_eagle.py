@@ -19,7 +19,6 @@ import sysconfig
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -27,10 +26,8 @@ import optax
 import jaxspec
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
-from jaxspec.model.cache import KVCache
 from jaxspec.model.eagle import default_feature_layers, save_eagle_folder
-from jaxspec.model.forward import forward
-from jaxspec.model.eagle_train import draft_vocabulary, init_params, to_published, train_step, ttt_loss
+from jaxspec.model.eagle_train import draft_vocabulary, init_params, target_pass, to_published, train_step, ttt_loss
 
 
 def corpus_tokens(dirs: list[Path], tokenizer, max_files: int, eos: int, seed: int) -> np.ndarray:
@@ -121,10 +118,9 @@ def main(argv=None) -> int:
 
     val_rng = np.random.default_rng(args.seed + 1)
     val_batch = jnp.asarray(windows(val, 2 * args.batch_size, args.seq_len, val_rng))
-    cache = KVCache.create(c, val_batch.shape[0], val_batch.shape[1], target.dtype)
-    logits, _, feats = forward(target.weights, c, val_batch, cache, features_at=layers)
-    val_loss, val_agree = ttt_loss(params, head_config, target.weights.embed, feats, val_batch,
-                                   jax.nn.log_softmax(logits, axis=-1), ids, args.ttt_steps)
+    feats, logp = target_pass(target.weights, c, val_batch, layers)
+    val_loss, val_agree = ttt_loss(params, head_config, target.weights.embed, feats, val_batch, logp, ids,
+                                   args.ttt_steps)
     print(f"held out: loss {float(val_loss):.3f}, top-1 agreement per draft step {_fmt(val_agree)}", flush=True)
 
     folder = save_eagle_folder(args.out, c, to_published(params, c, draft_ids), feature_layers=layers)

@@ -43,13 +43,18 @@ def test_random_weights_have_the_layout_of_a_loaded_checkpoint(tmp_path, name):
 
 # Timing: ms per round is decode time less a separately timed prefill, which a second test
 # worker on the same two cores can push below zero (seen once in CI at repeats 1).
+def _tiny_bench(tmp_path, *args) -> dict:
+    """`jaxspec bench --shape tiny` at one short row per setting, plus args: its JSON result."""
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--shape", "tiny", "--no-hf", "--prompt-lens", "32", "--new-tokens", "8",
+                     "--batch-sizes", "1", "--repeats", "1", "--json", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.timing
 def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert cli_main(["bench", "--shape", "tiny", "--draft-shape", "tiny", "--no-hf", "--parts", "plain,forward,spec",
-                     "--prompt-lens", "32", "--new-tokens", "8", "--batch-sizes", "1", "--verify-sizes", "1",
-                     "--spec-k", "1", "--repeats", "1", "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
+    result = _tiny_bench(tmp_path, "--draft-shape", "tiny", "--parts", "plain,forward,spec", "--verify-sizes", "1",
+                         "--spec-k", "1")
     rows = {(r["part"], r.get("role"), r.get("size")): r for r in result["rows"]}
     assert set(rows) == {("plain", None, None), ("forward", "target", "t=1"), ("forward", "target", "t=2"),
                          ("forward", "draft", "t=1"), ("forward", "draft", "t=2"), ("draft_step", None, None),
@@ -67,11 +72,9 @@ def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
 
 @pytest.mark.timing
 def test_the_eagle_part_times_a_head_at_the_targets_width(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert cli_main(["bench", "--shape", "tiny", "--no-hf", "--parts", "plain,eagle", "--prompt-lens", "32",
-                     "--new-tokens", "8", "--batch-sizes", "1", "--eagle-k", "2", "--eagle-draft-vocab", "128",
-                     "--eagle-tokens-per-round", "2=2.5", "--repeats", "1", "--json", str(out)]) == 0
-    rows = {r["part"]: r for r in json.loads(out.read_text())["rows"]}
+    result = _tiny_bench(tmp_path, "--parts", "plain,eagle", "--eagle-k", "2", "--eagle-draft-vocab", "128",
+                         "--eagle-tokens-per-round", "2=2.5")
+    rows = {r["part"]: r for r in result["rows"]}
     assert set(rows) == {"plain", "head_step", "spec", "projection"}
     step, spec = rows["head_step"], rows["spec"]
     assert step["draft_vocab"] == 128 and step["ms"] > 0 and step["floor_ms"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 import jax
 
@@ -20,6 +21,18 @@ def machine() -> dict:
         "cpu": cpu, "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()], "python": platform.python_version(),
     }
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """Best wall seconds of fn() over `repeats` calls after one warm-up call (fn must block until
+    its device work is done)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def groups(items: list, size: int) -> list[list]:

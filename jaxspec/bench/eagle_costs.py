@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.bench.common import best_seconds
 from jaxspec.model.eagle import FEATURES, EagleHead, fuse_features, head_cache, head_forward
 
 
@@ -29,7 +30,7 @@ def _head_loop(weights, embed, cache, tokens, hidden, *, config, steps, fused):
     return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(tokens.shape[:1], jnp.float32)))
 
 
-def head_ms(head: EagleHead, embed, prefix: int, t: int, fused: bool, steps: int, repeats: int, best) -> float:
+def head_ms(head: EagleHead, embed, prefix: int, t: int, fused: bool, steps: int, repeats: int) -> float:
     """ms of one head pass of t tokens (batch 1) over a `prefix`-entry cache."""
     c = head.config
     width = FEATURES * c.target_hidden_size if fused else c.layer.hidden_size
@@ -42,7 +43,7 @@ def head_ms(head: EagleHead, embed, prefix: int, t: int, fused: bool, steps: int
                                          fused=fused)
         acc.block_until_ready()
 
-    return 1000 * best(run, repeats) / steps
+    return 1000 * best_seconds(run, repeats) / steps
 
 
 def head_step_bytes(head: EagleHead) -> int:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.common import machine
+from jaxspec.bench.common import best_seconds, machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.schedulers import lengths_cases, lognormal_requests, scheduler_rows
 from jaxspec.bench.eagle_costs import head_ms, head_step_bytes
@@ -95,28 +95,17 @@ def tokens_per_round(text: str) -> dict[int, float]:
         raise argparse.ArgumentTypeError(f"expected K=tokens pairs like 3=2.9,5=3.3; got {text!r}") from None
 
 
-def _best(fn, repeats: int) -> float:
-    """Best wall seconds of fn() (which must block until its device work is done)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def jax_copy_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
     x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: a + jnp.bfloat16(1))
-    s = _best(lambda: f(x).block_until_ready(), repeats)
+    s = best_seconds(lambda: f(x).block_until_ready(), repeats)
     return 2 * x.nbytes / s
 
 
 def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
     a = jnp.ones((n, n), jnp.bfloat16)
     f = jax.jit(lambda x: x @ x)
-    return 2 * n**3 / _best(lambda: f(a).block_until_ready(), repeats)
+    return 2 * n**3 / best_seconds(lambda: f(a).block_until_ready(), repeats)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps", "attention"), donate_argnames=("cache",))
@@ -149,7 +138,7 @@ def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention
                                             config=model.config, steps=steps, attention=attention)
         acc.block_until_ready()
 
-    return 1000 * _best(run, repeats) / steps
+    return 1000 * best_seconds(run, repeats) / steps
 
 
 def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -164,7 +153,7 @@ def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int) -> float:
     batch = make_batch(reqs, bucket(len(prompts), 1), prompt_len, model.config.pad_token_id)
     cap = cache_capacity(prompt_len, bucket(max_new), slack)
     f = jax.jit(functools.partial(prefill, config=model.config, capacity=cap, dtype=model.dtype))
-    return _best(lambda: jax.block_until_ready(f(model.weights, batch=batch)), repeats)
+    return best_seconds(lambda: jax.block_until_ready(f(model.weights, batch=batch)), repeats)
 
 
 def _kv_bytes(model, batch: int, length: float) -> float:
@@ -234,19 +223,19 @@ def eagle_rows(target, args, prompt_len: int, new_tokens: int, repeats: int, att
     c, P = target.config, prompt_len
     head = random_head(c, min(args.eagle_draft_vocab, c.vocab_size), dtype=target.dtype, seed=args.seed + 2)
     embed = target.weights.embed
-    step = head_ms(head, embed, P, 1, False, 16, repeats, _best)
+    step = head_ms(head, embed, P, 1, False, 16, repeats)
     kv = 2 * P * c.num_kv_heads * c.head_dim * target.dtype.itemsize
     floor = 1000 * (head_step_bytes(head) + kv) / bw
     emit({"part": "head_step", "model": f"{head.name} for {target.name}", "ms": step, "floor_ms": floor,
           "of_floor": floor / step, "draft_vocab": head.config.draft_vocab_size})
     prompts = _prompts(c.vocab_size, 1, P, args.seed)
     for k in args.eagle_k:
-        first = head_ms(head, embed, P, k + 1, True, 16, repeats, _best)
+        first = head_ms(head, embed, P, k + 1, True, 16, repeats)
         verify = costs.get(("target", f"t={k + 1}")) or forward_ms(target, 1, P, np.tril(np.ones((k + 1,) * 2, bool)),
                                                                    attention, steps=16, repeats=repeats)
         compile_s, outs = _generate(prompts, target, head, new_tokens, repeats, attention, num_draft_tokens=k)
         pre = _prefill_s(target, prompts, new_tokens, k + 2, repeats)
-        pre += head_ms(head, embed, 0, bucket(P), True, 1, repeats, _best) / 1000  # the head's prompt pass
+        pre += head_ms(head, embed, 0, bucket(P), True, 1, repeats) / 1000  # the head's prompt pass
         rounds = sum(o.stats.target_steps - 1 for o in outs)
         round_ms = 1000 * (outs.metrics.decode_s - pre) / rounds
         draft_ms = first + (k - 1) * step

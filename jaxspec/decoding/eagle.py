@@ -23,8 +23,7 @@ from flax import struct
 
 from jaxspec.decoding.draft_model import _pick
 from jaxspec.decoding.drafting import Round
-from jaxspec.decoding.trees import Tree, chain
-from jaxspec.errors import InputError
+from jaxspec.decoding.trees import Tree
 from jaxspec.model.cache import KVCache
 from jaxspec.model.eagle import EagleConfig, fuse_features, head_cache, head_forward
 
@@ -44,10 +43,6 @@ class EagleDrafter:
     config: EagleConfig
     tree: Tree
     feature_layers: tuple[int, ...]  # the target layers whose inputs the loop hands over
-
-    def __post_init__(self):
-        if self.tree != chain(len(self.tree) - 1):
-            raise InputError("an EAGLE-3 head drafts chains (num_draft_tokens); draft trees need a draft model")
 
     def init(self, params, batch, capacity: int, max_out: int, first: jnp.ndarray, features=None) -> EagleState:
         """Reads the prompt's pairs (its features from the target's prefill, `features` [b, P, F]);

@@ -109,8 +109,7 @@ class DecodeMethod:
         target's embedding)."""
         if self.kind == "ngram":
             return self.ngram.drafter(self.k), None
-        if self.kind == "eagle":
-            draft.check_target(target.config, target.name)
+        if self.kind == "eagle":  # check_pair (generate, run_job) has checked that it fits the target
             layers = draft.config.layers_for(target.config)
             return EagleDrafter(draft.config, self.parents, layers), (draft.weights, target.weights.embed)
         if not isinstance(draft, Model):

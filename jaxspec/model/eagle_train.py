@@ -52,6 +52,14 @@ def init_params(target, draft_ids: np.ndarray, intermediate_size: int, seed: int
     }
 
 
+def target_pass(target_weights, target_config: ModelConfig, tokens, layers: tuple[int, ...]):
+    """The frozen target over tokens [b, T]: (its features [b, T, 3d] at `layers`, its
+    log-probabilities [b, T, V])."""
+    cache = KVCache.create(target_config, tokens.shape[0], tokens.shape[1], target_weights.embed.dtype)
+    logits, _, feats = forward(target_weights, target_config, tokens, cache, features_at=layers)
+    return feats, jax.nn.log_softmax(logits, axis=-1)
+
+
 def ttt_logits(params: dict, config: ModelConfig, embed, feats, tokens, steps: int) -> list[jnp.ndarray]:
     """Draft-vocabulary logits of each training-time-test step, [b, T-1, Vd] each, for the pairs
     (features of x_i, x_{i+1}) at positions i = 0 .. T-2 of tokens [b, T] (feats [b, T, 3d]).
@@ -111,10 +119,7 @@ def ttt_loss(params, config: ModelConfig, embed, feats, tokens, target_logp, dra
                    donate_argnames=("params", "opt_state"))
 def train_step(params, opt_state, target_weights, tokens, draft_ids, *, target_config, config, layers, steps, optimizer):
     """One optimizer step on a batch of token windows [b, T]; -> (params, opt_state, loss, agreement)."""
-    cache = KVCache.create(target_config, tokens.shape[0], tokens.shape[1], target_weights.embed.dtype)
-    logits, _, feats = forward(target_weights, target_config, tokens, cache, features_at=layers)
-    logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
-    feats = jax.lax.stop_gradient(feats)
+    feats, logp = target_pass(target_weights, target_config, tokens, layers)  # not differentiated: an input
     (loss, agree), grads = jax.value_and_grad(ttt_loss, has_aux=True)(
         params, config, target_weights.embed, feats, tokens, logp, draft_ids, steps)
     updates, opt_state = optimizer.update(grads, opt_state, params)
