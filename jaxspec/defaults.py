@@ -12,6 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = REPO_ROOT / "checkpoints"
 DEFAULT_TARGET = "code-target-16m"
 DEFAULT_DRAFT = "code-draft-4m"
+DEFAULT_EAGLE = "code-eagle-16m"  # an EAGLE-3 head for the target (scripts/train_eagle.py)
 
 
 def embedded_model(name: str) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tokenizers
 
 import jaxspec
 from jaxspec.bench.humaneval import load_prompts
@@ -34,16 +35,27 @@ def corpus_tokens(dirs: list[Path], tokenizer, max_files: int, eos: int, seed: i
     """Every *.py file under dirs (shuffled, at most max_files), tokenized, EOS between files."""
     files = sorted({f for d in dirs for f in Path(d).rglob("*.py") if f.is_file()})
     np.random.default_rng(seed).shuffle(files)
-    out = []
+    texts = []
     for f in files[:max_files]:
         try:
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if 200 <= len(text) <= 200_000:
-            out.extend(tokenizer.encode(text))
-            out.append(eos)
+            texts.append(text)
+    out = []
+    for ids in encode_all(tokenizer, texts):
+        out.extend(ids)
+        out.append(eos)
     return np.asarray(out, np.int32)
+
+
+def encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    """`tokenizers`' batch encode runs on every core; other tokenizers encode one text at a time."""
+    backend = getattr(tokenizer, "backend", None)
+    if isinstance(backend, tokenizers.Tokenizer):
+        return [e.ids for e in backend.encode_batch(texts)]
+    return [tokenizer.encode(t) for t in texts]
 
 
 def windows(tokens: np.ndarray, count: int, length: int, rng) -> np.ndarray:
@@ -73,10 +85,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training (default 3)")
+    p.add_argument("--feature-layers", type=int, nargs=3, metavar="K",
+                   help="the target layers whose outputs the head reads (published eagle_aux_hidden_state_layer_ids; "
+                        "default: EAGLE-3's, the inputs of layers 2, L/2, L-3)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="the head's vocabulary: the most frequent ids")
     p.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="float32", help="the target's compute dtype while training")
+    p.add_argument("--max-minutes", type=float, help="stop training after this long (the schedule is cut short)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=20, help="HumanEval prompts for the final acceptance")
@@ -99,7 +115,10 @@ def main(argv=None) -> int:
           f"draft vocabulary {len(draft_ids)} ids covering {np.isin(train, draft_ids).mean():.1%} of tokens "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    layers = default_feature_layers(c.num_layers)
+    for k in args.feature_layers or ():
+        if not 0 <= k < c.num_layers:
+            raise SystemExit(f"--feature-layers: {k} is not a layer of the target (0 .. {c.num_layers - 1})")
+    layers = tuple(k + 1 for k in args.feature_layers) if args.feature_layers else default_feature_layers(c.num_layers)
     head_config = dataclasses.replace(c, num_layers=1, intermediate_size=args.intermediate_size or c.intermediate_size)
     params = init_params(target, draft_ids, head_config.intermediate_size, args.seed)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps)
@@ -112,9 +131,13 @@ def main(argv=None) -> int:
     for step in range(1, args.steps + 1):
         batch = jnp.asarray(windows(train, args.batch_size, args.seq_len, rng))
         params, opt_state, loss, agree = train_step(params, opt_state, target.weights, batch, ids, **kw)
-        if step % args.log_every == 0 or step == args.steps:
+        out_of_time = args.max_minutes and time.perf_counter() - t1 > 60 * args.max_minutes
+        if step % args.log_every == 0 or step == args.steps or out_of_time:
             print(f"step {step}: loss {float(loss):.3f}, top-1 agreement per draft step "
                   f"{_fmt(agree)} ({time.perf_counter() - t1:.0f} s)", flush=True)
+        if out_of_time:
+            print(f"stopped at step {step} of {args.steps}: --max-minutes {args.max_minutes} reached", flush=True)
+            break
 
     val_rng = np.random.default_rng(args.seed + 1)
     val_batch = jnp.asarray(windows(val, 2 * args.batch_size, args.seq_len, val_rng))
@@ -123,7 +146,8 @@ def main(argv=None) -> int:
                                    args.ttt_steps)
     print(f"held out: loss {float(val_loss):.3f}, top-1 agreement per draft step {_fmt(val_agree)}", flush=True)
 
-    folder = save_eagle_folder(args.out, c, to_published(params, c, draft_ids), feature_layers=layers)
+    folder = save_eagle_folder(args.out, c, to_published(params, c, draft_ids),
+                               feature_layers=layers if args.feature_layers else None)
     print(f"saved {folder} ({time.perf_counter() - t0:.0f} s in all)", flush=True)
     if args.eval_prompts:
         prompts = load_prompts(limit=args.eval_prompts)

@@ -3,6 +3,7 @@ the head's layer matches an independent torch transcription of SGLang's, the tar
 match transformers' hidden states, the drafter's incremental bookkeeping proposes what a full
 recompute proposes after rounds of any acceptance, and speculative output equals plain output."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -18,7 +19,7 @@ from jaxspec.decoding.state import Batch
 from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache
 from jaxspec.model.eagle import fuse_features, head_cache, head_forward, random_eagle_folder
-from jaxspec.model.forward import forward
+from jaxspec.model.forward import forward, rms_norm
 
 HF = Path(__file__).resolve().parents[1] / "checkpoints" / "hf"
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):\n    ", "class Queue:\n    def put(self, x):"]
@@ -49,10 +50,12 @@ def test_features_are_the_hidden_states_entering_each_layer(tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor(tokens, dtype=torch.long), output_hidden_states=True).hidden_states
     cache = KVCache.create(model.config, 1, 64, jnp.float32)
-    _, _, feats = forward(model.weights, model.config, jnp.asarray(tokens), cache, features_at=(0, 2, 3))
-    for j, layer in enumerate((0, 2, 3)):
-        got = np.asarray(feats[..., j * 64:(j + 1) * 64])
-        np.testing.assert_allclose(got, want[layer].numpy(), rtol=1e-4, atol=1e-4)
+    _, _, feats = forward(model.weights, model.config, jnp.asarray(tokens), cache, features_at=(0, 2, 3, 4))
+    for j, layer in enumerate((0, 2, 3, 4)):
+        got = feats[..., j * 64:(j + 1) * 64]
+        if layer == 4:  # the last layer's output: transformers lists it after the final norm
+            got = rms_norm(got, model.weights.final_norm, model.config.rms_norm_eps)
+        np.testing.assert_allclose(np.asarray(got), want[layer].numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_the_head_layer_matches_a_torch_transcription_of_sglang(head, target):
@@ -235,9 +238,12 @@ def test_the_training_script_writes_a_head_that_drafts(target, tmp_path):
     out = tmp_path / "head"
     assert script.main(["--corpus", str(corpus), "--out", str(out), "--steps", "2", "--batch-size", "2",
                         "--seq-len", "32", "--draft-vocab", "512", "--intermediate-size", "128",
-                        "--eval-prompts", "0"]) == 0
+                        "--feature-layers", "1", "3", "5", "--eval-prompts", "0"]) == 0
+    # published ids name layers' outputs (the last one's among them); inside, forward's features_at
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
+        == [1, 3, 5]
     head = jaxspec.load(out, dtype="float32")
-    assert head.config.draft_vocab_size == 512 and head.config.feature_layers == (2, 3, 3)
+    assert head.config.draft_vocab_size == 512 and head.config.feature_layers == (2, 4, 6)
     plain = jaxspec.generate(PROMPTS[:1], target, max_new_tokens=8)
     assert jaxspec.generate(PROMPTS[:1], target, head, max_new_tokens=8, warn_below_acceptance=0)[0].token_ids \
         == plain[0].token_ids

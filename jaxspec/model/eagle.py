@@ -47,8 +47,12 @@ def is_eagle3(folder: str | Path) -> bool:
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's choice (SGLang, vLLM): the inputs of layers 2, L / 2 and L - 3 of the target
-    (clamped into a shallow target's range)."""
+    """EAGLE-3's choice where the config names none (SGLang, vLLM): the inputs of layers 2, L / 2
+    and L - 3 of the target (clamped into a shallow target's range).
+
+    Feature layers here are forward's `features_at`: i is the input of layer i, L the last
+    layer's output. The config's `eagle_aux_hidden_state_layer_ids` name the layers whose
+    *outputs* are read (k here is k + 1), as SGLang and SpecForge read them."""
     return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
 
 
@@ -57,7 +61,7 @@ class EagleConfig:
     layer: ModelConfig  # the head's decoder layer as a one-layer model (vocab_size: the target's)
     target_hidden_size: int
     draft_vocab_size: int
-    feature_layers: tuple[int, ...] | None = None  # None: default_feature_layers of the target
+    feature_layers: tuple[int, ...] | None = None  # features_at indices; None: default_feature_layers
 
     def layers_for(self, target: ModelConfig) -> tuple[int, ...]:
         return self.feature_layers or default_feature_layers(target.num_layers)
@@ -99,9 +103,9 @@ class EagleHead:
             raise InputError(f"EAGLE-3 head {self.name} has no embed_tokens and its hidden size "
                              f"{c.layer.hidden_size} differs from {target_name}'s {target.hidden_size}")
         for i in c.layers_for(target):
-            if not 0 <= i < target.num_layers:
-                raise InputError(f"EAGLE-3 head {self.name}: feature layer {i} is outside {target_name}'s "
-                                 f"{target.num_layers} layers")
+            if not 0 <= i <= target.num_layers:
+                raise InputError(f"EAGLE-3 head {self.name}: eagle_aux_hidden_state_layer_ids reads the output "
+                                 f"of layer {i - 1}, outside {target_name}'s {target.num_layers} layers")
 
 
 def eagle_config(cfg: dict) -> EagleConfig:
@@ -113,10 +117,12 @@ def eagle_config(cfg: dict) -> EagleConfig:
         target_hidden = int(cfg.get("target_hidden_size") or layer.hidden_size)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"EAGLE-3 config: draft_vocab_size / target_hidden_size must be integers ({e})") from e
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is not None and (len(ids) != FEATURES or not all(isinstance(i, int) for i in ids)):
-        raise ConfigError(f"EAGLE-3 config: eagle_aux_hidden_state_layer_ids must be {FEATURES} integers; got {ids}")
-    return EagleConfig(layer, target_hidden, draft_vocab, tuple(ids) if ids else None)
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if ids is not None and (len(ids) != FEATURES or not all(isinstance(i, int) and i >= 0 for i in ids)):
+        raise ConfigError(f"EAGLE-3 config: eagle_aux_hidden_state_layer_ids must be {FEATURES} layer numbers "
+                          f">= 0; got {ids}")
+    return EagleConfig(layer, target_hidden, draft_vocab, tuple(i + 1 for i in ids) if ids else None)
 
 
 def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
@@ -239,8 +245,10 @@ def save_eagle_folder(folder: str | Path, target: ModelConfig, tensors: dict[str
         "target_hidden_size": target.hidden_size, "max_position_embeddings": target.max_position_embeddings,
         "hidden_act": "silu", "torch_dtype": dtype,
     }
-    if feature_layers is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(feature_layers)}
+    if feature_layers is not None:  # features_at indices; the config names the layers before them
+        if min(feature_layers) < 1:
+            raise InputError(f"feature layers {feature_layers}: the embedding (0) has no layer id to publish")
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in feature_layers]}
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     return folder
 

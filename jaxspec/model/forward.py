@@ -219,7 +219,8 @@ def forward(
     chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
     attention: str = "xla",  # "xla", or "pallas": the fused kernel for chunks of <= 64 tokens
     logits_at: jnp.ndarray | None = None,  # [b] or [b, m] int32: the positions whose logits are wanted
-    features_at: tuple[int, ...] = (),  # layers whose input (the residual stream) is also returned
+    features_at: tuple[int, ...] = (),  # layers whose input (the residual stream) is also returned;
+    # num_layers: the last layer's output (before the final norm)
 ):
     """Runs t new tokens per row; returns (logits [b, t, v] float32 (or [b, m, v] at `logits_at`),
     cache with their K/V written), and with features_at a third item: the hidden states entering
@@ -266,8 +267,8 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
     """forward on whole weights (axis None), or on one shard of them (config: the shard's):
     (logits, cache, features [b, t, len(features_at) * d], empty without features_at)."""
     for i in features_at:
-        if not 0 <= i < config.num_layers:
-            raise InputError(f"feature layers must be in [0, {config.num_layers}); got {features_at}")
+        if not 0 <= i <= config.num_layers:
+            raise InputError(f"feature layers must be in [0, {config.num_layers}]; got {features_at}")
     t = tokens.shape[1]
     pallas = use_pallas(attention, config, t, cache.capacity)
     mask = None if pallas else attention_mask(
@@ -289,6 +290,7 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
             new_k.append(cache_k)
             new_v.append(cache_v)
         new_k, new_v = tuple(new_k), tuple(new_v)
+        features = [x if at == config.num_layers else f for f, at in zip(features, features_at)]
     else:  # stacked, scanned (scan_layers)
         at = jnp.asarray(features_at, jnp.int32)
 
@@ -301,6 +303,7 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
         feats = jnp.zeros((len(features_at),) + x.shape, x.dtype)
         (x, new_k, new_v, feats), _ = jax.lax.scan(
             body, (x, cache.k, cache.v, feats), (weights.layers, jnp.arange(config.num_layers)))
+        feats = jnp.where((at == config.num_layers)[:, None, None, None], x[None], feats)
         features = list(feats)
     features = jnp.concatenate(features, axis=-1) if features_at else jnp.zeros(x.shape[:2] + (0,), x.dtype)
 
