@@ -16,6 +16,8 @@ from jaxspec.decoding.drafting import Round
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.decoding.state import Batch
+from jaxspec.decoding.tree_verify import TreePlan
+from jaxspec.decoding.trees import ancestor_mask
 from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache
 from jaxspec.model.eagle import fuse_features, head_cache, head_forward, random_eagle_folder
@@ -123,12 +125,15 @@ def _reference_distributions(head, target, layers, seq, drafts):
     return jnp.stack(qs)
 
 
-def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, target):
+@pytest.mark.parametrize("tree", [None, (-1, 0, 0, 1, 1, 2, 3, 5)])
+def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, target, tree):
     """Rounds are played by hand on a fixed text, accepting 0, 3, 1 and 2 drafts: after each, the
-    distributions the drafter drew its chain from must be what the head computes from scratch
-    on everything committed (sampling at temperature 1, so they are whole distributions)."""
-    K = 3
-    method = DecodeMethod.of(head, K)
+    distributions the drafter drew each node from must be what the head computes from scratch
+    on everything committed and the node's ancestors (sampling at temperature 1, so they are
+    whole distributions); for a chain, its drafts are those ancestors."""
+    method = DecodeMethod.of(head, 3, tree)
+    plan = TreePlan.of(method.parents)
+    K, t = plan.max_depth, plan.size
     drafter, params = method.drafter(head, target)
     layers = drafter.feature_layers
     text = list(target.tokenizer.encode(PROMPTS[1] + "return [f for f in os.listdir(path) if f.endswith('.py')]"))
@@ -141,12 +146,15 @@ def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, targ
     state = drafter.init(params, batch, 64, 32, jnp.asarray([text[P]]), features=feats)
     n = P + 1  # committed: the prompt and its first token
     for i, accepted in enumerate((0, 3, 1, 2)):
-        keys = jax.random.split(jax.random.PRNGKey(i), K)[None]
+        keys = jax.random.split(jax.random.PRNGKey(i), t - 1)[None]
         r = Round(jnp.asarray([n]), jnp.asarray([text[n - 2]]), jnp.asarray([text[n - 1]]), keys, sampling, False,
                   "xla")
         drafts, q, state = drafter.propose(params, state, r)
-        want = _reference_distributions(head, target, layers, text[:n], [int(x) for x in drafts[0, 1:]])
-        np.testing.assert_allclose(np.asarray(q[0]), np.asarray(want), atol=1e-5)
+        drafts = [int(x) for x in drafts[0]]
+        for node in range(1, t):  # its ancestors below the root, then itself
+            line = [a for a in range(1, t) if ancestor_mask(plan.parents)[node, a]]
+            want = _reference_distributions(head, target, layers, text[:n], [drafts[a] for a in line])
+            np.testing.assert_allclose(np.asarray(q[0, node - 1]), np.asarray(want[-1]), atol=1e-5)
         # The target verified [s[n-1], K tokens of the text]; the first `accepted` count as drafts.
         cache = KVCache.create(target.config, 1, 64, jnp.float32)
         _, _, feats = forward(target.weights, target.config, jnp.asarray([text[: n + K]]), cache, features_at=layers)
@@ -157,11 +165,11 @@ def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, targ
         n += accepted + 1
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_speculative_output_equals_plain_output(head, target, batch_size):
+@pytest.mark.parametrize("batch_size,tree", [(1, None), (3, None), (1, "sparse"), (3, "binary-3")])
+def test_speculative_output_equals_plain_output(head, target, batch_size, tree):
     plain = jaxspec.generate(PROMPTS, target, max_new_tokens=20, max_batch_size=batch_size)
     spec = jaxspec.generate(PROMPTS, target, head, num_draft_tokens=3, max_new_tokens=20, max_batch_size=batch_size,
-                            warn_below_acceptance=0.0)
+                            tree=tree, warn_below_acceptance=0.0)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert all(c.stats.drafted > 0 for c in spec)
 
@@ -171,8 +179,6 @@ def test_a_head_that_does_not_fit_its_target_is_refused_by_name(target, tmp_path
     wide = jaxspec.load(folder, dtype="float32")
     with pytest.raises(InputError, match=r"fc.weight reads 1536 features = 3 x 512, but code-target-16m's hidden size is 384"):
         jaxspec.generate(PROMPTS[:1], target, wide, max_new_tokens=4)
-    with pytest.raises(InputError, match="EAGLE-3 head drafts chains"):
-        jaxspec.generate(PROMPTS[:1], target, wide, tree="binary-3", max_new_tokens=4)
 
 
 def test_jit_sees_one_graph_for_the_drafter(head, target):

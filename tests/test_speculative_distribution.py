@@ -120,13 +120,15 @@ def test_the_test_catches_a_biased_acceptance_rule(pair):
     assert chi2_pvalue(counts, exact_joint(target, setting)) < 1e-6
 
 
-def test_an_eagle3_head_samples_the_target_distribution(pair, tmp_path):
+@pytest.mark.parametrize("tree", [None, (-1, 0, 0, 1, 2)], ids=["chain", "tree"])
+def test_an_eagle3_head_samples_the_target_distribution(pair, tmp_path, tree):
     """A random EAGLE-3 head with a draft vocabulary of 12 of the 16 tokens (d2t-mapped): its q
-    is a real distribution, zero off its vocabulary, and the output still follows the target."""
+    is a real distribution, zero off its vocabulary, and the output still follows the target,
+    from a chain or from a tree's i.i.d. siblings."""
     from jaxspec.model.eagle import random_eagle_folder
 
     target, _ = pair
     head = jaxspec.load(random_eagle_folder(tmp_path / "head", target.config, draft_vocab_size=12, seed=5),
                         dtype="float32")
     setting = SETTINGS[0]
-    assert chi2_pvalue(sampled_joint(target, head, setting), exact_joint(target, setting)) > 1e-4
+    assert chi2_pvalue(sampled_joint(target, head, setting, tree), exact_joint(target, setting)) > 1e-4

@@ -65,6 +65,8 @@ def test_an_eagle3_head_drafts_for_a_split_target(real_pair, split_pair, tmp_pat
     spec = jaxspec.generate(PROMPTS[:2], split, head, **kw)
     assert _tokens(spec) == _tokens(whole) == _tokens(jaxspec.generate(PROMPTS[:2], target, max_new_tokens=16))
     assert [c.stats.accepted_per_position for c in spec] == [c.stats.accepted_per_position for c in whole]
+    tree = jaxspec.generate(PROMPTS[:2], split, head, tree="sparse", **kw)
+    assert _tokens(tree) == _tokens(whole)
 
 
 def test_a_split_target_shares_one_loop_across_prompt_buckets(real_pair, split_pair, monkeypatch):

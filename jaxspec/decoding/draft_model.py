@@ -99,21 +99,28 @@ def draft_tree(
             weights, config, jnp.concatenate([prev[:, None], tokens], axis=1), cache, positions, jnp.asarray(mask),
             attention=attention, logits_at=jnp.broadcast_to(jnp.asarray(1 + parents, jnp.int32), (b, parents.size)),
         )  # [b, parents, v]
-        of_node = np.searchsorted(parents, np.asarray(plan.parents)[nodes])  # each node's parent row
-        parent_logits = logits[:, of_node]  # [b, m, v]
-        top = jax.lax.top_k(logits, plan.max_children)[1][:, of_node]  # [b, m, c]
-        ranks = jnp.asarray(np.asarray(plan.rank)[nodes])
-        greedy = jnp.take_along_axis(top, ranks[None, :, None], axis=2)[..., 0].astype(jnp.int32)
-        if greedy_only:
-            chosen = greedy
-        else:
-            filtered = filtered_logits(parent_logits, sampling)
-            node_keys = keys[:, nodes - 1]  # [b, m, 2]
-            drawn = jax.vmap(jax.vmap(jax.random.categorical))(node_keys, filtered).astype(jnp.int32)
-            chosen = jnp.where((sampling.temperature > 0)[:, None], drawn, greedy)
-            q_all = q_all.at[:, nodes - 1].set(jax.nn.softmax(filtered, axis=-1))
+        chosen, q = pick_children(logits, parents, plan, nodes, sampling, keys, greedy_only)
+        if q is not None:
+            q_all = q_all.at[:, nodes - 1].set(q)
         tokens = tokens.at[:, nodes].set(chosen)
     return tokens, q_all, cache
+
+
+def pick_children(logits, parents: np.ndarray, plan: TreePlan, nodes: np.ndarray, sampling: SamplingParams,
+                  keys: jnp.ndarray, greedy_only: bool):
+    """One tree level's tokens from its parents' logits [b, len(parents), v]: node i is its
+    parent's rank-th most likely token (greedy), or an i.i.d. draw from the parent's filtered
+    distribution (sampling, keys[:, i - 1]). Returns (tokens [b, m], the distributions drawn
+    from [b, m, v] or None when greedy_only)."""
+    of_node = np.searchsorted(parents, np.asarray(plan.parents)[nodes])  # each node's parent row
+    top = jax.lax.top_k(logits, plan.max_children)[1][:, of_node]  # [b, m, c]
+    ranks = jnp.asarray(np.asarray(plan.rank)[nodes])
+    greedy = jnp.take_along_axis(top, ranks[None, :, None], axis=2)[..., 0].astype(jnp.int32)
+    if greedy_only:
+        return greedy, None
+    filtered = filtered_logits(logits[:, of_node], sampling)  # [b, m, v]
+    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys[:, nodes - 1], filtered).astype(jnp.int32)
+    return jnp.where((sampling.temperature > 0)[:, None], drawn, greedy), jax.nn.softmax(filtered, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """An EAGLE-3 head as drafter (jaxspec.model.eagle): a chain of K steps of one decoder layer that
-reads the target's own hidden states, with its own one-layer KV cache.
+reads the target's own hidden states, or a static tree filled level by level, with its own
+one-layer KV cache.
 
 Bookkeeping, with n committed tokens s[0..n) (s[n-1] pending in the target): the head's cache
 entry i holds the pair (h_i, s[i+1]) at position i, where h_i = fc(target features of s[i]).
@@ -12,6 +13,9 @@ round's accepted tokens). Each round:
   commit: the verify pass's features of the accepted path and the committed tokens become the
     pending pairs (positions n - 1 .. n' - 2); entries the drafts wrote past them are
     overwritten next round.
+A tree's node i (depth >= 1) is the pair (the head's output at its parent, its token) at position
+n - 2 + depth(i) (the root's output: the last pending pair's); each level's pass reruns every
+node under the ancestor mask, and the children of that level's parents come from their outputs.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from jaxspec.decoding.draft_model import _pick
+from jaxspec.decoding.draft_model import _pick, pick_children
 from jaxspec.decoding.drafting import Round
-from jaxspec.decoding.trees import Tree
+from jaxspec.decoding.tree_verify import TreePlan
+from jaxspec.decoding.trees import Tree, ancestor_mask, chain
 from jaxspec.model.cache import KVCache
 from jaxspec.model.eagle import EagleConfig, fuse_features, head_cache, head_forward
 
@@ -55,7 +61,7 @@ class EagleDrafter:
         cache = head_cache(self.config, b, capacity, w.fc.dtype)
         _, _, cache = head_forward(w, self.config, embed, nxt, fuse_features(w, features), cache,
                                    logits_at=last[:, None])
-        T = len(self.tree)
+        T = TreePlan.of(self.tree).max_depth + 1  # a round commits at most D + 1 tokens
         pending_f = jnp.zeros((b, T, features.shape[-1]), features.dtype).at[:, 0].set(features[rows, last])
         pending_t = jnp.zeros((b, T), jnp.int32).at[:, 0].set(first)
         return EagleState(cache, pending_f, pending_t, jnp.where(batch.prompt_lens > 0, 1, 0).astype(jnp.int32))
@@ -69,9 +75,11 @@ class EagleDrafter:
         logits, hidden, cache = head_forward(w, self.config, embed, s.tokens, fuse_features(w, s.features),
                                              s.cache.replace(lengths=start), logits_at=at)
         h = hidden[rows, at[:, 0]]
+        cache = cache.replace(lengths=r.n - 1)
+        if self.tree != chain(K):
+            return self._tree(w, embed, logits, h, cache, r, s)
         token, q = self._pick(w, logits[:, 0], r, 0)
         tokens, qs = [token], [q]
-        cache = cache.replace(lengths=r.n - 1)
         for i in range(1, K):
             logits, hidden, cache = head_forward(w, self.config, embed, token[:, None], h[:, None], cache)
             cache = cache.replace(lengths=cache.lengths + 1)
@@ -82,14 +90,40 @@ class EagleDrafter:
         drafts = jnp.stack([r.last] + tokens, axis=1)
         return drafts, None if r.greedy_only else jnp.stack(qs, axis=1), s.replace(cache=cache)
 
+    def _tree(self, w, embed, root_logits, root_hidden, cache, r: Round, s: EagleState):
+        """Fills the tree level by level from the root's logits [b, 1, V_d] and output [b, d]."""
+        plan = TreePlan.of(self.tree)
+        b, t = r.n.shape[0], plan.size
+        parents_of = np.asarray(plan.parents)
+        mask = jnp.asarray(ancestor_mask(plan.parents)[1:, 1:])
+        positions = (r.n - 2)[:, None] + jnp.asarray(plan.depth[1:], jnp.int32)[None, :]
+        tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(r.last)
+        q_all = None if r.greedy_only else jnp.zeros((b, t - 1, self.config.layer.vocab_size), jnp.float32)
+        outputs = jnp.zeros((b, t, root_hidden.shape[-1]), root_hidden.dtype).at[:, 0].set(root_hidden)
+        logits, parents = root_logits, np.zeros(1, np.int32)
+        for d in range(1, plan.max_depth + 1):
+            if d > 1:  # rerun nodes 1 .. t - 1, reading their parents' outputs; logits at level d - 1
+                parents = np.unique(parents_of[plan.level(d)])
+                logits, hidden, cache = head_forward(
+                    w, self.config, embed, tokens[:, 1:], outputs[:, parents_of[1:]], cache, positions,
+                    jnp.broadcast_to(jnp.asarray(parents - 1, jnp.int32), (b, parents.size)), mask)
+                outputs = outputs.at[:, 1:].set(hidden)
+            nodes = plan.level(d)
+            chosen, q = pick_children(logits, parents, plan, nodes, r.sampling, r.keys, r.greedy_only)
+            tokens = tokens.at[:, nodes].set(w.d2t[chosen])
+            if q is not None:
+                q_all = q_all.at[:, nodes - 1].set(self._to_target(w, q))
+        return tokens, q_all, s.replace(cache=cache)
+
+    def _to_target(self, w, q):
+        """A distribution over the draft vocabulary [..., V_d] -> over the target's [..., V]."""
+        return jnp.zeros(q.shape[:-1] + (self.config.layer.vocab_size,), q.dtype).at[..., w.d2t].set(q)
+
     def _pick(self, w, logits, r: Round, i: int):
         """Draft i from draft-vocabulary logits: (target ids [b], its distribution over the
         target's vocabulary [b, V] or None)."""
         token, q = _pick(logits, r.sampling, r.keys[:, i], r.greedy_only)
-        token = w.d2t[token]
-        if q is not None:
-            q = jnp.zeros((q.shape[0], self.config.layer.vocab_size), q.dtype).at[:, w.d2t].set(q)
-        return token, q
+        return w.d2t[token], None if q is None else self._to_target(w, q)
 
     def commit(self, params, s: EagleState, r: Round, path, emitted, kept, features=None) -> EagleState:
         """The accepted path's target features [b, D+1, F] and the committed tokens wait as the

@@ -53,8 +53,6 @@ class DecodeMethod:
             if len(ngram.drafter(self.k).tree) > MAX_TREE_NODES:
                 raise InputError(f"ngram_branches x num_draft_tokens must be at most {MAX_TREE_NODES - 1}; "
                                  f"got {ngram.branches} x {self.k}")
-        elif self.kind == "eagle" and self.tree is not None:
-            raise InputError("an EAGLE-3 head drafts chains (num_draft_tokens); tree needs a draft model")
         elif self.tree is not None:
             parents = resolve_tree(self.tree)
             if not isinstance(self.tree, str):
@@ -97,16 +95,17 @@ class DecodeMethod:
         "ngram K=4" or "ngram K=4 x3" (n-gram lookup, a tree of 3 branches)."""
         if self.kind == "ngram":
             return f"ngram K={self.k}" + (f" x{self.ngram.branches}" if self.ngram.branches > 1 else "")
-        if self.kind == "eagle":
+        if self.kind == "eagle" and self.tree is None:
             return f"eagle K={self.k}"
         if self.tree is not None:
-            return f"tree {self.tree}" if isinstance(self.tree, str) else f"tree of {len(self.tree)} nodes"
+            tree = f"tree {self.tree}" if isinstance(self.tree, str) else f"tree of {len(self.tree)} nodes"
+            return f"eagle {tree}" if self.kind == "eagle" else tree
         return f"speculative K={self.k}" if self.k else "plain"
 
     def drafter(self, draft, target: Model):
         """(the static drafter, its arrays) for the speculative loop: n-gram lookup (no arrays),
-        `draft`'s chain or tree (its weights), or an EAGLE-3 head's chain (its weights and the
-        target's embedding)."""
+        `draft`'s chain or tree (its weights), or an EAGLE-3 head's chain or tree (its weights and
+        the target's embedding)."""
         if self.kind == "ngram":
             return self.ngram.drafter(self.k), None
         if self.kind == "eagle":  # check_pair (generate, run_job) has checked that it fits the target

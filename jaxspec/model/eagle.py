@@ -191,16 +191,18 @@ def head_cache(config: EagleConfig, batch: int, capacity: int, dtype) -> KVCache
 
 
 def head_forward(w: EagleWeights, config: EagleConfig, embed_table, tokens, hidden, cache: KVCache,
-                 positions=None, logits_at=None):
+                 positions=None, logits_at=None, chunk_mask=None):
     """tokens [b, t] (target ids) and hidden [b, t, d] (fc'd target features, or the head's own
     outputs) -> (draft-vocabulary logits [b, t, V_d] float32, or [b, m, V_d] at logits_at [b, m];
-    the head's output hidden states [b, t, d]; cache with the t new keys and values written at
-    `positions`, default lengths + arange(t)). The cache's lengths are not advanced."""
+    the head's output hidden states [b, t, d]; cache with the t new keys and values written in
+    slots lengths + arange(t), at `positions` (default those slots), each seeing the cache before
+    it and the chunk's tokens chunk_mask [t, t] allows (default causal: a tree's ancestors)).
+    The cache's lengths are not advanced."""
     c = config.layer
     b, t = tokens.shape
     if positions is None:
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    causal = jnp.tril(jnp.ones((t, t), bool)) if chunk_mask is None else chunk_mask
     mask = attention_mask(cache.lengths, positions, cache.capacity, causal, None)
     table = embed_table if w.embed is None else w.embed
     e = table[tokens].astype(hidden.dtype)
