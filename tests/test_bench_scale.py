@@ -73,13 +73,16 @@ def test_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, capsys):
 @pytest.mark.timing
 def test_the_eagle_part_times_a_head_at_the_targets_width(tmp_path, capsys):
     result = _tiny_bench(tmp_path, "--parts", "plain,eagle", "--eagle-k", "2", "--eagle-draft-vocab", "128",
-                         "--eagle-tokens-per-round", "2=2.5")
-    rows = {r["part"]: r for r in result["rows"]}
-    assert set(rows) == {"plain", "head_step", "spec", "projection"}
-    step, spec = rows["head_step"], rows["spec"]
+                         "--trees", "binary-3", "--eagle-tokens-per-round", "2=2.5,binary-3=3.25")
+    rows = {(r["part"], r.get("method")): r for r in result["rows"]}
+    assert set(rows) == {("plain", None), ("head_step", None), ("spec", "eagle K=2"), ("projection", "eagle K=2"),
+                         ("spec", "eagle tree binary-3"), ("projection", "eagle tree binary-3")}
+    step, spec, tree = rows["head_step", None], rows["spec", "eagle K=2"], rows["spec", "eagle tree binary-3"]
     assert step["draft_vocab"] == 128 and step["ms"] > 0 and step["floor_ms"] > 0
-    assert spec["method"] == "eagle K=2" and 1 <= spec["rounds"] <= 7 and spec["draft_ms"] > step["ms"]
-    assert rows["projection"]["tokens_per_round"] == 2.5
+    assert 1 <= spec["rounds"] <= 7 and spec["draft_ms"] > step["ms"]
+    assert 1 <= tree["rounds"] <= 7 and tree["draft_ms"] > step["ms"] and tree["verify_ms"] > 0
+    assert rows["projection", "eagle K=2"]["tokens_per_round"] == 2.5
+    assert rows["projection", "eagle tree binary-3"]["tokens_per_round"] == 3.25
     assert "| head step |" in capsys.readouterr().out
 
 

@@ -42,8 +42,9 @@ from jaxspec.model.quantize import SCHEMES
 from jaxspec.checks import int_list
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.decoding.state import prefill
+from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import NAMED_TREES, ancestor_mask, chain
-from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
+from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_TARGET, embedded_model
 from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import forward
 from jaxspec.model.loading import load, replicated_on
@@ -79,7 +80,8 @@ def add_scale_args(p) -> None:
     g.add_argument("--eagle-draft-vocab", type=int, default=32000,
                    help="eagle part: the head's draft vocabulary (default 32000, as Llama 3.1 8B's published heads)")
     g.add_argument("--eagle-tokens-per-round", type=tokens_per_round, default={},
-                   help="eagle part: K=tokens pairs (e.g. 3=2.9,5=3.3) to project the speedup at (default: none)")
+                   help="eagle part: K=tokens or tree=tokens pairs (e.g. 3=2.9,sparse=3.3) to project the speedup "
+                        "at (default: the acceptance part's, measured with the embedded head)")
     g.add_argument("--job-records-per-slot", type=int, default=8,
                    help="continuous part, --shape: records of the lognormal-budget job per batch slot (default 8)")
     g.add_argument("--refill-at", type=int_list, help="continuous part: refill policies to time (default: the engine's)")
@@ -87,12 +89,14 @@ def add_scale_args(p) -> None:
                    help="continuous part: cases of the job (jaxspec.bench.schedulers), comma-separated (default seen,hidden)")
 
 
-def tokens_per_round(text: str) -> dict[int, float]:
-    """"3=2.9,5=3.3" -> {3: 2.9, 5: 3.3}."""
+def tokens_per_round(text: str) -> dict[str, float]:
+    """"3=2.9,sparse=3.3" -> {"3": 2.9, "tree sparse": 3.3}: chain lengths and named trees."""
     try:
-        return {int(k): float(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+        pairs = [item.split("=") for item in text.split(",") if item]
+        return {(k if k.isdigit() else f"tree {k}"): float(v) for k, v in pairs}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected K=tokens pairs like 3=2.9,5=3.3; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected K=tokens or tree=tokens pairs like 3=2.9,sparse=3.3; "
+                                         f"got {text!r}") from None
 
 
 def jax_copy_bandwidth(gib: float = 4.0, repeats: int = 10) -> float:
@@ -215,9 +219,11 @@ def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, co
 
 
 def eagle_rows(target, args, prompt_len: int, new_tokens: int, repeats: int, attention: str, bw: float, costs: dict,
-               plain: dict | None, emit) -> None:
+               plain: dict | None, acc: dict, emit) -> None:
     """The eagle part (jaxspec.bench.eagle_costs): a random head at the target's sizes, its step
-    against its floor, and rounds of each K through generate against their parts."""
+    against its floor, and rounds of each K and named tree through generate against their parts,
+    projected at the embedded head's measured tokens per round (`acc`, the acceptance part) or
+    at --eagle-tokens-per-round."""
     if target.tensor_parallel > 1:
         raise SystemExit("--parts eagle: EAGLE-3 heads draft for a whole target (no --tensor-parallel) for now")
     c, P = target.config, prompt_len
@@ -229,22 +235,31 @@ def eagle_rows(target, args, prompt_len: int, new_tokens: int, repeats: int, att
     emit({"part": "head_step", "model": f"{head.name} for {target.name}", "ms": step, "floor_ms": floor,
           "of_floor": floor / step, "draft_vocab": head.config.draft_vocab_size})
     prompts = _prompts(c.vocab_size, 1, P, args.seed)
-    for k in args.eagle_k:
-        first = head_ms(head, embed, P, k + 1, True, 16, repeats)
-        verify = costs.get(("target", f"t={k + 1}")) or forward_ms(target, 1, P, np.tril(np.ones((k + 1,) * 2, bool)),
-                                                                   attention, steps=16, repeats=repeats)
-        compile_s, outs = _generate(prompts, target, head, new_tokens, repeats, attention, num_draft_tokens=k)
-        pre = _prefill_s(target, prompts, new_tokens, k + 2, repeats)
+    runs = [(f"eagle K={k}", chain(k), {"num_draft_tokens": k}) for k in args.eagle_k]
+    runs += [(f"eagle tree {t}", NAMED_TREES[t], {"tree": t}) for t in args.trees.split(",") if t]
+    for label, parents, kw in runs:
+        plan = TreePlan.of(parents)
+        t, D = plan.size, plan.max_depth
+        # First pass: fc and the layer over up to D + 1 accepted pairs; then D - 1 passes over
+        # one new token (a chain) or the tree's t - 1 nodes (dense-masked: the mask's content
+        # costs nothing), and the target's verify pass of the t nodes.
+        first = head_ms(head, embed, P, D + 1, True, 16, repeats)
+        later = step if parents == chain(D) else head_ms(head, embed, P, t - 1, False, 16, repeats)
+        key = ("target", f"t={t}") if parents == chain(D) else ("target", label.removeprefix("eagle "))
+        verify = costs.get(key) or forward_ms(target, 1, P, ancestor_mask(parents), attention, steps=16, repeats=repeats)
+        compile_s, outs = _generate(prompts, target, head, new_tokens, repeats, attention, **kw)
+        pre = _prefill_s(target, prompts, new_tokens, t + 1, repeats)
         pre += head_ms(head, embed, 0, bucket(P), True, 1, repeats) / 1000  # the head's prompt pass
         rounds = sum(o.stats.target_steps - 1 for o in outs)
         round_ms = 1000 * (outs.metrics.decode_s - pre) / rounds
-        draft_ms = first + (k - 1) * step
-        emit({"part": "spec", "method": f"eagle K={k}", "compile_s": compile_s, "rounds": rounds,
+        draft_ms = first + (D - 1) * later
+        emit({"part": "spec", "method": label, "compile_s": compile_s, "rounds": rounds,
               "ms_per_round": round_ms, "draft_ms": draft_ms, "verify_ms": verify,
               "overhead": round_ms / (draft_ms + verify) - 1})
-        if plain and k in args.eagle_tokens_per_round:
-            tpr = args.eagle_tokens_per_round[k]
-            emit({"part": "projection", "method": f"eagle K={k}", "tokens_per_round": tpr,
+        given = args.eagle_tokens_per_round.get(label.removeprefix("eagle ").removeprefix("K="))
+        tpr = acc[label]["tokens_per_round"] if label in acc else given
+        if plain and tpr:
+            emit({"part": "projection", "method": label, "tokens_per_round": tpr,
                   "projected_speedup": tpr * plain["ms_per_step"] / round_ms})
 
 
@@ -259,15 +274,20 @@ def prefill_row(model, prompt_len: int, repeats: int, rate: float, seed: int):
             "tokens_per_s": prompt_len / s, "tflops": flops / s / 1e12, "of_matmul_rate": flops / s / rate}
 
 
-def embedded_acceptance(ks, trees, prompts: int, new_tokens: int = 128, ngram_ks=()) -> dict:
-    """Tokens committed per target pass by the embedded code pair (float32), per K / tree, and
-    by n-gram lookup with the embedded target."""
+def embedded_acceptance(ks, trees, prompts: int, new_tokens: int = 128, ngram_ks=(), eagle_ks=(),
+                        eagle_trees=()) -> dict:
+    """Tokens committed per target pass by the embedded code pair (float32), per K / tree, by
+    n-gram lookup with the embedded target, and by the embedded EAGLE-3 head per K / tree."""
     target = load(embedded_model(DEFAULT_TARGET), dtype="float32")
     draft = load(embedded_model(DEFAULT_DRAFT), dtype="float32")
     texts = load_prompts(limit=prompts)
     out = {}
     runs = [(f"K={k}", draft, {"num_draft_tokens": k}) for k in ks] + [(f"tree {t}", draft, {"tree": t}) for t in trees]
     runs += [(f"ngram K={k}", "ngram", {"num_draft_tokens": k}) for k in ngram_ks]
+    if eagle_ks or eagle_trees:
+        head = load(embedded_model(DEFAULT_EAGLE), dtype="float32")
+        runs += [(f"eagle K={k}", head, {"num_draft_tokens": k}) for k in eagle_ks]
+        runs += [(f"eagle tree {t}", head, {"tree": t}) for t in eagle_trees]
     for label, d, kw in runs:
         outs = generate(texts, target, d, max_new_tokens=new_tokens, max_batch_size=1,
                                 warn_below_acceptance=0.0, **kw)
@@ -369,9 +389,10 @@ def run_scale_bench(args) -> int:
             emit({"part": "draft_step", "model": draft.name, "ms": one, "floor_ms": floor, "of_floor": floor / one})
     acc = {}
     if "acceptance" in parts:  # before the long spec rows, so a cut-short run keeps it
-        acc = result["embedded_acceptance"] = embedded_acceptance(args.spec_k if draft is not None else [], trees,
-                                                                  args.acceptance_prompts, args.acceptance_new_tokens,
-                                                                  args.ngram_k)
+        eagle = "eagle" in parts
+        acc = result["embedded_acceptance"] = embedded_acceptance(
+            args.spec_k if draft is not None else [], trees if draft is not None else [], args.acceptance_prompts,
+            args.acceptance_new_tokens, args.ngram_k, args.eagle_k if eagle else [], trees if eagle else [])
         print(f"embedded pair acceptance: {acc}", flush=True)
     plain = next((r for r in result["rows"] if r.get("part") == "plain" and r["batch"] == 1 and r["prompt_len"] == P), None)
     if "spec" in parts:
@@ -385,7 +406,7 @@ def run_scale_bench(args) -> int:
                 emit({"part": "projection", "method": row["method"], "tokens_per_round": tpr,
                       "projected_speedup": tpr * plain["ms_per_step"] / row["ms_per_round"]})
     if "eagle" in parts:
-        eagle_rows(target, args, P, N, R, attention, bw, costs, plain, emit)
+        eagle_rows(target, args, P, N, R, attention, bw, costs, plain, acc, emit)
     if "prefill" in parts:
         emit(prefill_row(target, args.prefill_len, R, rate, args.seed))
     if "continuous" in parts:
