@@ -110,3 +110,19 @@ def test_a_quantized_shape_reads_about_half_the_bytes_per_step():
     """`bench --shape ... --quantize`: the floor it reports counts 8-bit weights and their scales."""
     plain, int8 = (step_weight_bytes(random_model("tiny", "bfloat16", quantize=q)) for q in (None, "int8"))
     assert 0.5 < int8 / plain < 0.6
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_humaneval_bench_runs_the_embedded_head_beside_the_draft_model(tmp_path, temperature):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "2", "--k", "2",
+                     "--eagle-k", "2", "--trees", "sparse", "--ngram-k", "2", "--no-hf", "--repeats", "1",
+                     "--temperature", str(temperature), "--json", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain", "spec K=2", "tree sparse", "eagle K=2", "eagle tree sparse", "ngram K=2"}
+    assert all(r["temperature"] == temperature and 2 <= r["new_tokens"] <= 16 for r in rows.values())
+    assert temperature or all(r["new_tokens"] == 16 for r in rows.values())  # greedy: no EOS within 8
+    assert rows["eagle K=2"]["tokens_per_step"] >= 1 and rows["eagle tree sparse"]["acceptance_rate"] is not None
+    # greedy rows must equal plain decoding; sampled rows are not compared token for token
+    assert {r["same_as_plain"] for r in rows.values()} == ({2} if temperature == 0 else {2, None})

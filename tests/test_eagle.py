@@ -263,3 +263,18 @@ def test_the_canary_tries_the_head_at_each_k(head):
     methods = candidates(head, settings)
     assert methods[0] == DecodeMethod() and [m.k for m in methods if m.kind == "eagle"] == list(settings.auto_ks)
     assert all(m.ngram is None or m.kind == "ngram" for m in methods)
+
+
+def test_the_conversion_script_converts_a_head(head, target, tmp_path):
+    """convert_hf_checkpoint on an EAGLE-3 folder: checked, cast to bfloat16, still the published
+    layout; it loads and drafts as the source does. Quantizing a head is refused by name."""
+    from jaxspec.model.checkpoint import convert_hf_checkpoint
+
+    out = convert_hf_checkpoint(head.path, tmp_path / "head-bf16", dtype="bfloat16")
+    converted = jaxspec.load(out, dtype="float32")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    to_bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    want = jax.tree.map(lambda a: np.asarray(to_bf16(a)), head.weights)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, converted.weights), want)
+    with pytest.raises(jaxspec.errors.CheckpointError, match="EAGLE-3 head: quantize applies to models"):
+        convert_hf_checkpoint(head.path, tmp_path / "q", quantize="int8")

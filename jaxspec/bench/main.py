@@ -21,7 +21,7 @@ from jaxspec.bench.schedulers import run_embedded
 from jaxspec.checks import int_list, int_list_or_none
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.ngram import Ngram
-from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
+from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_TARGET, embedded_model
 from jaxspec.distributed import add_parallel_args
 from jaxspec.errors import CheckpointError, InputError
 from jaxspec.model.loading import load
@@ -31,6 +31,10 @@ from jaxspec.serving.generate import generate
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target model folder (default: embedded code-target-16m)")
     p.add_argument("--draft", help="draft model folder (default: embedded code-draft-4m)")
+    p.add_argument("--eagle", help="EAGLE-3 head folder, tried at --eagle-k and --trees beside the draft model "
+                                   "(default: embedded code-eagle-16m with the embedded target; '' for none)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample every jaxspec row at this temperature (default 0: greedy; HF rows are greedy only)")
     p.add_argument("--prompts", type=int, default=20, help="first N HumanEval prompts (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--batch-sizes", type=int_list, help="comma-separated (default 1,8; with --shape 1,8,32,64)")
@@ -57,12 +61,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats: int, tree=None,
-                  attention="auto") -> dict:
+                  attention="auto", temperature: float = 0.0) -> dict:
     def one_pass():
         outs, seconds = [], 0.0
-        for group in groups(ids, batch):
+        for start, group in zip(range(0, len(ids), batch), groups(ids, batch)):
             res = generate(group, target, draft, max_new_tokens=max_new, num_draft_tokens=k or 1,
-                           max_batch_size=batch, warn_below_acceptance=0.0, tree=tree, attention=attention)
+                           max_batch_size=batch, warn_below_acceptance=0.0, tree=tree, attention=attention,
+                           temperature=temperature, seed=list(range(start, start + len(group))))  # one per prompt
             outs += res
             seconds += res.metrics.decode_s
         return outs, seconds
@@ -76,7 +81,7 @@ def bench_jaxspec(ids, target, draft, k: int, batch: int, max_new: int, repeats:
 
     method = DecodeMethod.of(draft, k or 1, tree)
     row = {
-        "engine": "jaxspec", "batch": batch,
+        "engine": "jaxspec", "batch": batch, "temperature": temperature,
         "method": f"spec K={k}" if method.kind == "draft" and tree is None else method.name,
         "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds,
         "tokens_per_step": new / sum(o.stats.target_steps for o in outs),
@@ -170,36 +175,44 @@ def run_bench(args) -> int:
     draft_path = Path(args.draft or embedded_model(DEFAULT_DRAFT))
     target = load(target_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     draft = load(draft_path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
+    # The embedded head serves the embedded target only.
+    head_path = (embedded_model(DEFAULT_EAGLE) if args.target is None else "") if args.eagle is None else args.eagle
+    head = load(head_path, dtype=args.dtype) if head_path and not args.parts else None
     ids = [target.tokenizer.encode(p) for p in load_prompts(limit=args.prompts)]
     info = machine()
     print(f"machine: {info}")
     tokens = "lognormal budgets" if args.parts else f"{args.max_new_tokens} new tokens"
-    print(f"{len(ids)} HumanEval prompts, {tokens}, greedy, target {target.name} "
-          f"({target.dtype}), draft {draft.name}", flush=True)
+    how = f"temperature {args.temperature}" if args.temperature else "greedy"
+    print(f"{len(ids)} HumanEval prompts, {tokens}, {how}, target {target.name} ({target.dtype}), draft {draft.name}"
+          + (f", EAGLE-3 head {head.name}" if head else ""), flush=True)
     if args.parts:
         run_embedded(args, target, draft, ids)
         return 0
-    if not args.no_hf:
+    hf = not args.no_hf and not args.temperature  # HF rows: greedy only
+    if hf:
         hf_target = load_hf(target_path, args.hf_device, args.hf_dtype, args.threads)
         hf_draft = load_hf(draft_path, args.hf_device, args.hf_dtype, args.threads)
     rows = []
     hf_repeats = args.hf_repeats or args.repeats
     for batch in args.batch_sizes:
         run = lambda d, k, tree=None: bench_jaxspec(  # noqa: E731
-            ids, target, d, k, batch, args.max_new_tokens, args.repeats, tree, args.attention)
+            ids, target, d, k, batch, args.max_new_tokens, args.repeats, tree, args.attention, args.temperature)
         plain_row, plain_ids = run(None, 0)
         plain_row["same_as_plain"] = len(ids)
         rows.append(plain_row)
         print(_fmt(plain_row), flush=True)
-        variants = [(draft, k, None) for k in args.k] + [(draft, 1, t) for t in args.trees.split(",") if t]
+        trees = [t for t in args.trees.split(",") if t]
+        variants = [(draft, k, None) for k in args.k] + [(draft, 1, t) for t in trees]
+        if head is not None:
+            variants += [(head, k, None) for k in args.eagle_k] + [(head, 1, t) for t in trees]
         variants += [(Ngram(branches=b), k, None) for k in args.ngram_k for b in args.ngram_branches]
         for d, k, tree in variants:
             row, out = run(d, k, tree)
-            row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))
+            row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids)) if not args.temperature else None
             row["speedup_vs_plain"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
             rows.append(row)
             print(_fmt(row), flush=True)
-        if not args.no_hf:
+        if hf:
             eos = set(target.config.eos_token_ids)
             row, out = bench_hf(ids, hf_target, None, batch, args.max_new_tokens, hf_repeats, eos)
             row["same_as_plain"] = sum(a == b for a, b in zip(out, plain_ids))

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
+from jaxspec.model.eagle import convert_eagle, is_eagle3
 from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, SCALE, STORED_DTYPES, check_scheme, quantize_checkpoint
 from jaxspec.model.weights import ParamSpec, param_specs
 
@@ -331,6 +332,11 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"HF checkpoint folder {hf_dir} does not exist")
+    if is_eagle3(hf_dir):
+        if quantize:
+            raise CheckpointError(f"{hf_dir} is an EAGLE-3 head: quantize applies to models; heads stay in "
+                                  f"floating point (their step reads a fifth of a 1B draft's bytes)")
+        return convert_eagle(hf_dir, out_dir, dtype)
     config = load_config(hf_dir)
     stored = hf_quantization(hf_dir)
     if stored and quantize and quantize != stored:

@@ -185,6 +185,27 @@ def load_eagle(folder: str | Path, dtype) -> EagleHead:
     return EagleHead(config, weights, folder.name, folder, jnp.dtype(dtype))
 
 
+def convert_eagle(folder: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """An EAGLE-3 folder, checked as a load checks it, written to `out` in the same published
+    layout (one safetensors file without the "model." prefix, the config as it was), its float
+    tensors cast to `dtype` (None keeps theirs): the head is one layer, so an Orbax checkpoint
+    would buy no load time."""
+    from safetensors.numpy import save_file
+
+    folder, out = Path(folder), Path(out)
+    load_eagle(folder, jnp.float32)  # every check a load makes, before anything is written
+    cast = (lambda a: a) if dtype is None else (  # noqa: E731
+        lambda a: a.astype(jnp.dtype(dtype)) if np.issubdtype(a.dtype, np.floating) or a.dtype == jnp.bfloat16 else a)
+    tensors = {k: np.ascontiguousarray(cast(v)) for k, v in _read_tensors(folder).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    if dtype is not None:
+        config["torch_dtype"] = str(jnp.dtype(dtype))
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
 def head_cache(config: EagleConfig, batch: int, capacity: int, dtype) -> KVCache:
     """The head's own KV cache: one layer, per-layer layout on every backend."""
     return KVCache.create(config.layer, batch, capacity, dtype, stacked=False)
