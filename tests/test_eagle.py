@@ -255,13 +255,15 @@ def test_the_training_script_writes_a_head_that_drafts(target, tmp_path):
         == plain[0].token_ids
 
 
-def test_the_canary_tries_the_head_at_each_k(head):
+def test_the_canary_tries_the_head_at_each_k_and_tree(head):
     from jaxspec.jobs.canary import candidates
     from jaxspec.jobs.settings import JobSettings
 
-    settings = JobSettings(auto=True)
+    settings = JobSettings(auto=True, auto_trees=("sparse",))
     methods = candidates(head, settings)
-    assert methods[0] == DecodeMethod() and [m.k for m in methods if m.kind == "eagle"] == list(settings.auto_ks)
+    assert methods[0] == DecodeMethod()
+    assert [m.name for m in methods if m.kind == "eagle"] == [f"eagle K={k}" for k in settings.auto_ks] + [
+        "eagle tree sparse"]
     assert all(m.ngram is None or m.kind == "ngram" for m in methods)
 
 

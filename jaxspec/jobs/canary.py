@@ -178,16 +178,16 @@ def _decide(trials: list[Trial], min_speedup: float) -> tuple[Trial, str]:
 
 
 def candidates(draft, settings) -> list[DecodeMethod]:
-    """The canary's methods: plain first, then the draft model at each of settings.auto_ks and each
-    named tree in settings.auto_trees (when the draft is a model), or an EAGLE-3 head's chain at
-    each K, and n-gram lookup at each of settings.auto_ngram_ks (the draft's lookup settings when
-    it is an Ngram)."""
+    """The canary's methods: plain first, then the draft (a model or an EAGLE-3 head) at each of
+    settings.auto_ks and each named tree in settings.auto_trees, and n-gram lookup at each of
+    settings.auto_ngram_ks (the draft's lookup settings when it is an Ngram)."""
     methods = [DecodeMethod()]
     if isinstance(draft, Model):
         methods += [DecodeMethod("draft", k) for k in settings.auto_ks]
         methods += [DecodeMethod("draft", tree=name) for name in settings.auto_trees]
     if isinstance(draft, EagleHead):
         methods += [DecodeMethod("eagle", k) for k in settings.auto_ks]
+        methods += [DecodeMethod("eagle", tree=name) for name in settings.auto_trees]
     ngram = draft if isinstance(draft, Ngram) else None
     methods += [DecodeMethod("ngram", k, ngram=ngram) for k in settings.auto_ngram_ks]
     return list(dict.fromkeys(methods))
