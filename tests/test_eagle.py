@@ -280,3 +280,20 @@ def test_the_conversion_script_converts_a_head(head, target, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, converted.weights), want)
     with pytest.raises(jaxspec.errors.CheckpointError, match="EAGLE-3 head: quantize applies to models"):
         convert_hf_checkpoint(head.path, tmp_path / "q", quantize="int8")
+
+
+def test_a_batch_job_warns_when_the_heads_acceptance_is_low(head, target, tmp_path, caplog):
+    """The random head accepts little: the job warns once, as for a draft model, and records it."""
+    import logging
+
+    from jaxspec.batch import JobSettings, run_job
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    with caplog.at_level(logging.WARNING, logger="jaxspec"):
+        s = run_job(src, tmp_path / "out.jsonl", target, head, JobSettings(
+            num_draft_tokens=3, max_new_tokens=8, batch_size=2, warn_below_acceptance=0.99, metrics_log=None,
+            plot_path=None, progress=False))
+    warnings = [r.getMessage() for r in caplog.records if "acceptance rate" in r.getMessage()]
+    assert len(warnings) == 1 and "is below 0.99" in warnings[0] and head.name in warnings[0]
+    assert s["settings"]["method"] == "eagle K=3" and s["totals"]["acceptance_rate"] < 0.99

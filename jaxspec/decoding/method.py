@@ -78,6 +78,12 @@ class DecodeMethod:
         return self.kind != "plain"
 
     @property
+    def watches_acceptance(self) -> bool:
+        """Each draft costs a pass of a model (a draft model or an EAGLE-3 head), so a low
+        acceptance rate is a warning sign; lookup proposals cost none."""
+        return self.kind in ("draft", "eagle")
+
+    @property
     def drafter_kind(self) -> str | None:
         """"model", "ngram", "eagle" or None (plain), as summaries and logs report it."""
         return {"draft": "model", "ngram": "ngram", "eagle": "eagle"}.get(self.kind)

@@ -201,7 +201,7 @@ class _Job:
         lines = [ok_line(r, c, method["method"]) for r, c in zip(chunk, outs)]
         self.writer.write(lines)
         t = report.totals(lines)
-        low = self.watch.update(t["accepted"], t["drafted"]) if self.method.kind == "draft" else False
+        low = self.watch.update(t["accepted"], t["drafted"]) if self.method.watches_acceptance else False
         state.records += len(lines)
         state.new_tokens += t["new_tokens"]
         state.decode_s += decode_s
@@ -263,7 +263,7 @@ class _Job:
         report.write_json(self.paths["summary"], summary)
         self.mlog.write("summary", **{k: summary[k] for k in ("totals", "this_run", "settings")})
         rate = summary["totals"]["acceptance_rate"]
-        if self.method.kind == "draft" and rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
+        if self.method.watches_acceptance and rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
             # This run's batches stayed above the threshold but the whole job (resumed) did not.
             log.warning(low_acceptance_message(rate, self.settings.warn_below_acceptance,
                                                summary["settings"]["draft"], self.target.name))

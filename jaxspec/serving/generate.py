@@ -78,7 +78,7 @@ def warn_if_low(outs: Completions, method: DecodeMethod, draft, target: Model, t
     """Logs the low-acceptance warning for a draft model (lookup proposals cost no draft passes: a
     low rate is no warning sign there)."""
     rate = outs.metrics.acceptance_rate
-    if rate is not None and method.kind in ("draft", "eagle") and rate < threshold:
+    if rate is not None and method.watches_acceptance and rate < threshold:
         log.warning(low_acceptance_message(rate, threshold, draft.name, target.name))
 
 
