@@ -38,7 +38,7 @@ demo: convert
 
 # Two workers for the correctness tests, then the speed-comparing ones (marked timing) alone.
 test: setup-test
-	$(BIN)/python -m pytest -q -n 2 -m "not timing"
+	$(BIN)/python -m pytest -q -n 2 -m "not timing" --durations=15
 	$(BIN)/python -m pytest -q -m timing
 
 clean:

@@ -161,7 +161,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", metavar="IN.jsonl", help="input records, one JSON object per line")
     p.add_argument("output", metavar="OUT.jsonl", help="output records (appended to; a rerun resumes)")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
-    p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup (default: the embedded code-draft-4m)')
+    p.add_argument("--draft", action="append",
+                   help='draft model or EAGLE-3 head folder, or "ngram" for n-gram lookup (default: the embedded '
+                        "code-draft-4m); with --auto, repeat it (a draft model and a head) for the canary to choose")
     p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
                    help=f"draft tokens K per target pass (default {DEFAULT_NUM_DRAFT})")
@@ -174,7 +176,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                                                 "(default: 1 on the CPU, an eighth of the slots on GPUs)")
     add_sampling_args(p)
     p.add_argument("--auto", action="store_true",
-                   help="canary: time plain and speculative decoding (each --auto-k) on a sample of the job, "
+                   help="canary: time plain and speculative decoding (each --auto-k, each --draft) on a sample of the job, "
                         "check greedy outputs agree, and run the rest with the fastest")
     p.add_argument("--auto-sample", type=_sample, default=0.05,
                    help="canary sample: a fraction (default 0.05, at least 8 records and 2 batches) or a "
@@ -254,7 +256,9 @@ def run_batch(args) -> int:
     t0 = time.perf_counter()
     target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
                   quantize=args.quantize)
-    draft = None if args.no_draft else load_draft(args, args.draft or embedded_model(DEFAULT_DRAFT))
+    paths = args.draft or [embedded_model(DEFAULT_DRAFT)]
+    drafts = None if args.no_draft else [load_draft(args, path) for path in paths]
+    draft = drafts[0] if drafts and len(drafts) == 1 else drafts
     load_s = time.perf_counter() - t0
     with _jaxspec_logging():
         summary = run_job(args.input, args.output, target, draft, settings)

@@ -18,7 +18,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_two_workers_give_what_one_gives(tmp_path, real_pair):
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """The jobs' environment: this repository importable, and one compile cache for the module's
+    jobs (each Ray replica is a fresh process: a replacement or a rerun reads its graphs back
+    instead of compiling them again on this 2-core machine)."""
+    cache = tmp_path_factory.mktemp("xla-cache")
+    return {**os.environ, "PYTHONPATH": str(REPO), "JAXSPEC_COMPILE_CACHE": str(cache)}
+
+
+def test_two_workers_give_what_one_gives(tmp_path, real_pair, env):
     """The Ray job runs in its own process (the CLI), so no Ray instance lives in the test worker."""
     target = real_pair[0]
     src = write_humaneval_jsonl(tmp_path / "in.jsonl", limit=20, lognormal=dict(median=16, cap=40))
@@ -26,7 +35,7 @@ def test_two_workers_give_what_one_gives(tmp_path, real_pair):
         f.write('{"id": "bad", "prompt": "x", "top_p": 2}\n')
     one = run_job(src, tmp_path / "one.jsonl", target, settings=JobSettings(
         max_new_tokens=8, batch_size=4, plot_path=None, progress=False))
-    done = subprocess.run(_cmd(src, tmp_path / "two.jsonl", "8", "4"), env=_env(), capture_output=True, text=True,
+    done = subprocess.run(_cmd(src, tmp_path / "two.jsonl", "8", "4"), env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     a = {r["id"]: r for r in read_output(tmp_path / "one.jsonl")}
@@ -41,10 +50,6 @@ def test_two_workers_give_what_one_gives(tmp_path, real_pair):
 def _cmd(src, out, max_new: str, batch: str) -> list[str]:
     return [sys.executable, "-m", "jaxspec.cli", "batch", str(src), str(out), "--no-draft", "--max-new-tokens", max_new,
             "--batch-size", batch, "--workers", "2", "--no-progress", "--no-plot"]
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _parent(pid: int) -> int:
@@ -77,9 +82,9 @@ def _job(tmp_path, n: int) -> tuple[list[dict], Path, Path]:
     return records, src, tmp_path / "out.jsonl"
 
 
-def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path):
+def test_a_worker_killed_mid_job_loses_and_repeats_nothing(tmp_path, env):
     records, src, out = _job(tmp_path, 48)
-    proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     killed = None
     try:
@@ -114,9 +119,9 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def test_a_killed_driver_is_resumed_by_rerunning(tmp_path):
+def test_a_killed_driver_is_resumed_by_rerunning(tmp_path, env):
     records, src, out = _job(tmp_path, 32)
-    proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(src, out, "48", "2"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     left: list[int] = []
     try:
         deadline = time.monotonic() + 180
@@ -136,7 +141,7 @@ def test_a_killed_driver_is_resumed_by_rerunning(tmp_path):
             except ProcessLookupError:
                 pass
     before = out.read_text()
-    done = subprocess.run(_cmd(src, out, "48", "2"), env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(_cmd(src, out, "48", "2"), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     after = out.read_text()
     kept = before[: before.rfind("\n") + 1]  # complete lines written before the kill stay as they were

@@ -297,3 +297,32 @@ def test_a_batch_job_warns_when_the_heads_acceptance_is_low(head, target, tmp_pa
     warnings = [r.getMessage() for r in caplog.records if "acceptance rate" in r.getMessage()]
     assert len(warnings) == 1 and "is below 0.99" in warnings[0] and head.name in warnings[0]
     assert s["settings"]["method"] == "eagle K=3" and s["totals"]["acceptance_rate"] < 0.99
+
+
+def test_a_job_given_a_draft_model_and_a_head_lets_the_canary_choose(real_pair, tmp_path):
+    """`jaxspec batch --draft MODEL --draft HEAD --auto`: the canary times both drafters (and
+    n-gram lookup, and plain decoding), the job runs the one it picks, losslessly; two drafts
+    without the canary are refused by name."""
+    from jaxspec.batch import JobSettings, read_output, run_job
+    from jaxspec.cli import main as cli_main
+    from jaxspec.defaults import CHECKPOINTS, DEFAULT_EAGLE
+
+    target, draft = real_pair
+    shipped = jaxspec.load(CHECKPOINTS / "hf" / DEFAULT_EAGLE, dtype="float32")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS * 2)))
+    out = tmp_path / "out.jsonl"
+    assert cli_main(["batch", str(src), str(out), "--draft", str(CHECKPOINTS / "hf" / "code-draft-4m"),
+                     "--draft", str(CHECKPOINTS / "hf" / DEFAULT_EAGLE), "--auto", "--auto-k", "2",
+                     "--auto-ngram-k", "2", "--auto-sample", "2", "--auto-repeats", "1", "--batch-size", "2", "--max-new-tokens", "12",
+                     "--dtype", "float32", "--no-progress", "--no-plot", "--no-metrics-log"]) == 0
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    tried = [c["method"] for c in summary["canary"]["candidates"]]
+    assert tried == ["plain", "speculative K=2", "eagle K=2", "ngram K=2"]
+    assert summary["settings"]["draft"] == f"code-draft-4m + {DEFAULT_EAGLE}"
+    plain = {i: c.token_ids for i, c in enumerate(jaxspec.generate(PROMPTS * 2, target, max_new_tokens=12))}
+    assert {int(r["id"]): r["token_ids"] for r in read_output(out)} == plain
+    with pytest.raises(InputError, match=r"2 drafts \(code-draft-4m \+ code-eagle-16m\) need auto=True"):
+        run_job(src, tmp_path / "two.jsonl", target, [draft, shipped], JobSettings(progress=False))
+    with pytest.raises(InputError, match="at most one draft model, one EAGLE-3 head"):
+        run_job(src, tmp_path / "two.jsonl", target, [draft, draft], JobSettings(auto=True, progress=False))

@@ -56,6 +56,15 @@ def test_filter_matches_hf_warpers():
         assert kept.sum() >= 1
 
 
+@pytest.mark.parametrize("settings", [SETTINGS[:1], [(1.0, 0, 1.0), (0.0, 0, 1.0)]], ids=["one", "with-greedy"])
+def test_rows_that_do_not_filter_skip_the_sort_and_match_hf(settings):
+    """No row filters: the batch takes the branch without the sort, with HF's result all the same."""
+    logits = np.random.default_rng(1).normal(size=(len(settings), 512)).astype(np.float32) * 3
+    ours = np.asarray(jax.jit(filtered_logits)(jnp.asarray(logits), _params(settings)))
+    for row, (t, k, p) in enumerate(settings):
+        np.testing.assert_allclose(ours[row], _hf_filtered(logits[row], t or 1.0, k, p), rtol=1e-6)
+
+
 def _draw(logits, settings, n):
     """n independent draws per row, each from its own seed (as per-request streams are)."""
     params = _params(settings)

@@ -7,6 +7,8 @@ seeded request produces the same text whatever else shares its batch.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -28,6 +30,14 @@ def filtered_logits(logits: jnp.ndarray, params: SamplingParams) -> jnp.ndarray:
     extra = (1,) * (x.ndim - 2)  # broadcast per-row settings over middle axes
     temp = jnp.where(params.temperature > 0, params.temperature, 1.0).reshape((-1,) + extra + (1,))
     x = x / temp
+    # The filters sort the vocabulary at every position (a verify pass: K + 1 of them per row),
+    # which cost a sampled CPU round more than the model: skipped when no row filters.
+    filtering = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+    return jax.lax.cond(filtering, functools.partial(_top_k_top_p, params=params, extra=extra), lambda x: x, x)
+
+
+def _top_k_top_p(x: jnp.ndarray, params: SamplingParams, extra: tuple) -> jnp.ndarray:
+    """x (logits / temperature) with the tokens that top-k and top-p drop at -inf."""
     vocab = x.shape[-1]
     desc = -jnp.sort(-x, axis=-1)  # [b, ..., v] descending
     # top-k: keep everything >= the k-th largest (ties kept, as HF does).

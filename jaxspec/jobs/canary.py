@@ -18,7 +18,6 @@ from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import check_sample
-from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model
 from jaxspec.serving.batching import bucket
 from jaxspec.serving.generate import resolve_attention
@@ -177,30 +176,54 @@ def _decide(trials: list[Trial], min_speedup: float) -> tuple[Trial, str]:
     return plain, f"plain decoding: speculation does not pay, best was {numbers} (needs {min_speedup:.2f}x)"
 
 
+def drafts_by_kind(draft) -> dict:
+    """A job's drafts by the decode-method kind that runs each ("draft", "eagle", "ngram"): one
+    draft (a draft model, an EAGLE-3 head, "ngram" or Ngram settings), or a list of them with at
+    most one of each kind, for the canary to choose among; None: {}."""
+    drafts = {}
+    for d in draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]:
+        kind = DecodeMethod.of(d, 1).kind
+        if kind == "plain":
+            raise InputError("draft: None in a list of drafts; leave it out")
+        if kind in drafts:
+            raise InputError(f"draft: at most one draft model, one EAGLE-3 head and one n-gram setting; "
+                             f"got {drafts[kind].name if hasattr(drafts[kind], 'name') else drafts[kind]!r} "
+                             f"and {d.name if hasattr(d, 'name') else d!r}")
+        drafts[kind] = d
+    return drafts
+
+
+def drafts_name(drafts: dict) -> str | None:
+    """How summaries and logs name a job's drafts: "code-draft-4m", "code-draft-4m + code-eagle-16m"."""
+    names = [d if isinstance(d, str) else d.name for d in drafts.values()]
+    return " + ".join(names) if names else None
+
+
 def candidates(draft, settings) -> list[DecodeMethod]:
-    """The canary's methods: plain first, then the draft (a model or an EAGLE-3 head) at each of
-    settings.auto_ks and each named tree in settings.auto_trees, and n-gram lookup at each of
-    settings.auto_ngram_ks (the draft's lookup settings when it is an Ngram)."""
+    """The canary's methods: plain first, then each draft given (a draft model, an EAGLE-3 head,
+    or both: see drafts_by_kind) at each of settings.auto_ks and each named tree in
+    settings.auto_trees, and n-gram lookup at each of settings.auto_ngram_ks (with the Ngram
+    settings given among the drafts, else the defaults)."""
+    drafts = drafts_by_kind(draft)
     methods = [DecodeMethod()]
-    if isinstance(draft, Model):
-        methods += [DecodeMethod("draft", k) for k in settings.auto_ks]
-        methods += [DecodeMethod("draft", tree=name) for name in settings.auto_trees]
-    if isinstance(draft, EagleHead):
-        methods += [DecodeMethod("eagle", k) for k in settings.auto_ks]
-        methods += [DecodeMethod("eagle", tree=name) for name in settings.auto_trees]
-    ngram = draft if isinstance(draft, Ngram) else None
-    methods += [DecodeMethod("ngram", k, ngram=ngram) for k in settings.auto_ngram_ks]
+    for kind in ("draft", "eagle"):
+        if kind in drafts:
+            methods += [DecodeMethod(kind, k) for k in settings.auto_ks]
+            methods += [DecodeMethod(kind, tree=name) for name in settings.auto_trees]
+    ngram = drafts.get("ngram")
+    methods += [DecodeMethod("ngram", k, ngram=ngram if isinstance(ngram, Ngram) else None)
+                for k in settings.auto_ngram_ks]
     return list(dict.fromkeys(methods))
 
 
 def run_canary(
-    target: Model, draft: Model | None, chunks: list[list[Request]], batch_size: int,
+    target: Model, draft, chunks: list[list[Request]], batch_size: int,
     methods: list[DecodeMethod], *, repeats: int = 2, min_speedup: float = 1.05, keep_within: float = 0.9,
     on_pass=None,
 ) -> Decision:
     """Times each of `methods` (the first: plain decoding, the baseline) on the sample `chunks`
-    (lists of requests, each run as one call of at most batch_size rows); `draft` is the draft
-    model the draft-model methods use.
+    (lists of requests, each run as one call of at most batch_size rows); `draft`: the draft
+    model and/or EAGLE-3 head the methods of those kinds use (drafts_by_kind).
 
     Candidates take turns chunk by chunk and each chunk keeps its least time over `repeats`
     passes, so a burst of load on a shared machine costs one chunk's sample, not a candidate's
@@ -217,15 +240,18 @@ def run_canary(
         raise InputError(f"auto_repeats must be >= 1; got {repeats!r}")
     if not methods or methods[0].speculative:
         raise InputError("the canary's first method must be plain decoding, its baseline")
-    if draft is None and any(m.kind in ("draft", "eagle") for m in methods):
-        raise InputError("the canary's draft-model candidates (ks, trees) need a draft model")
+    drafts = drafts_by_kind(draft)
+    for m in methods:
+        if m.kind in ("draft", "eagle") and m.kind not in drafts:
+            raise InputError(f"the canary's candidate {m.name!r} needs a "
+                             f"{'draft model' if m.kind == 'draft' else 'EAGLE-3 head'} among the drafts")
     trials = [Trial(m) for m in methods]
     active = list(trials)
     for p in range(repeats):
         spent = {id(t): [0, 0.0, 0.0] for t in active}
         for ci, chunk in enumerate(chunks):
             for t in active:
-                outs = t.run(target, draft, chunk, batch_size)
+                outs = t.run(target, drafts.get(t.method.kind), chunk, batch_size)
                 t.record(ci, outs)
                 if p == 0 and t.method.speculative:
                     t.mismatched += _mismatches(outs, trials[0].outputs[ci], chunk)

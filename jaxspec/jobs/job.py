@@ -33,11 +33,7 @@ from jaxspec.decoding.method import DecodeMethod
 from jaxspec.errors import InputError
 from jaxspec.jobs import report
 from jaxspec.jobs.canary import (
-    candidates,
-    method_fields,
-    pick_sample,
-    run_canary,
-    sample_size,
+    candidates, drafts_by_kind, drafts_name, method_fields, pick_sample, run_canary, sample_size,
 )
 from jaxspec.jobs.local import run_local
 from jaxspec.jobs.metrics_log import AcceptanceWatch, MetricsLog
@@ -52,7 +48,6 @@ from jaxspec.jobs.output import (
 from jaxspec.jobs.ray_workers import check_ray, run_on_ray
 from jaxspec.jobs.records import Record, check_unique, prepare, read_input
 from jaxspec.jobs.settings import JobSettings
-from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model
 from jaxspec.serving.generate import check_pair
 from jaxspec.serving.warnings import low_acceptance_message
@@ -110,8 +105,10 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
             settings: JobSettings = JobSettings()) -> dict:
     """Runs (or resumes) a batch job from `in_path` into `out_path`; returns the summary dict.
 
-    draft: speculative decoding with K = settings.num_draft_tokens when given (a draft model, or
-    jaxspec.ngram.Ngram for n-gram lookup), plain decoding when None. settings: JobSettings (the
+    draft: speculative decoding with K = settings.num_draft_tokens when given (a draft model, an
+    EAGLE-3 head, or "ngram" / jaxspec.ngram.Ngram for n-gram lookup), plain decoding when None;
+    with settings.auto, a list of them (at most one of each kind) for the canary to choose among,
+    beside plain decoding and n-gram lookup. settings: JobSettings (the
     records' default settings, batch size, scheduler, canary, replicas and outputs).
     Raises BatchError before any work for duplicate input ids or an output it did not write, and
     InputError for bad job settings; bad records become "error" lines instead.
@@ -124,12 +121,18 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
         raise InputError(f"input file {in_path} does not exist")
     if out_path.exists() and out_path.resolve() == in_path.resolve():
         raise InputError("the output file must not be the input file")
-    if settings.auto and draft is None:
-        raise InputError('auto needs a draft (a draft model or "ngram") to compare against plain decoding')
+    drafts = drafts_by_kind(draft)
+    if settings.auto and not drafts:
+        raise InputError('auto needs a draft (a draft model, an EAGLE-3 head or "ngram") to compare against plain '
+                         'decoding')
+    if len(drafts) > 1 and not settings.auto:
+        raise InputError(f"draft: {len(drafts)} drafts ({drafts_name(drafts)}) need auto=True, so the canary picks "
+                         f"one; or give one")
     if settings.workers > 1:
         check_ray()
-    method = DecodeMethod.of(draft, settings.num_draft_tokens)
-    check_pair(target, draft, method)
+    for d in drafts.values():
+        check_pair(target, d, DecodeMethod.of(d, settings.num_draft_tokens))
+    method = DecodeMethod.of(next(iter(drafts.values()), None), settings.num_draft_tokens)  # auto: the canary's
     canary = candidates(draft, settings) if settings.auto else []
     if settings.gpus_per_worker is None:
         gpus = 0 if jax.default_backend() == "cpu" else target.tensor_parallel
@@ -140,7 +143,7 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
     out_path.parent.mkdir(parents=True, exist_ok=True)
     writer = ChunkWriter(out_path)  # locks the output before it is inspected
     try:
-        return _Job(records, in_path, out_path, writer, target, draft, method, canary, settings, start).run()
+        return _Job(records, in_path, out_path, writer, target, drafts, method, canary, settings, start).run()
     finally:
         writer.close()
 
@@ -148,18 +151,24 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
 class _Job:
     """One run of a job over the records not yet in the output."""
 
-    def __init__(self, records, in_path, out_path, writer, target, draft, method, canary, settings, start):
+    def __init__(self, records, in_path, out_path, writer, target, drafts, method, canary, settings, start):
         self.records, self.in_path, self.out_path, self.writer = records, in_path, out_path, writer
-        self.target, self.draft, self.settings = target, draft, settings
+        self.target, self.drafts, self.settings = target, drafts, settings
         self.method = method  # the canary may replace it
         self.canary_methods = canary
         self.defaults, self.paths = settings.defaults, settings.paths(out_path)
         self.state = _RunState(start)
         self.decision = None
-        self.mlog = MetricsLog(self.paths["metrics_log"], model=target.name,
-                               draft=draft.name if draft is not None else None, job=str(out_path))
-        self.watch = AcceptanceWatch(settings.warn_below_acceptance, draft.name if draft else "", target.name)
+        self.mlog = MetricsLog(self.paths["metrics_log"], model=target.name, draft=drafts_name(drafts),
+                               job=str(out_path))
+        self.watch = AcceptanceWatch(settings.warn_below_acceptance, drafts_name(drafts) or "", target.name)
         self.bar = None
+
+    @property
+    def draft(self):
+        """What the job's method drafts with (the canary's choice among several): a draft model,
+        an EAGLE-3 head, n-gram settings, or None."""
+        return self.drafts.get(self.method.kind)
 
     def run(self) -> dict:
         torn = repair_tail(self.out_path)
@@ -236,13 +245,14 @@ class _Job:
         # sample runs at the job's batch size even where it spans two buckets.
         by_length = sorted(sample, key=lambda r: len(r.request.token_ids))
         chunks = [by_length[i : i + s.batch_size] for i in range(0, len(by_length), s.batch_size)]
-        model = self.draft if isinstance(self.draft, (Model, EagleHead)) else None
         self.decision = run_canary(
-            self.target, model, [[r.request for r in c] for c in chunks], s.batch_size, self.canary_methods,
+            self.target, list(self.drafts.values()), [[r.request for r in c] for c in chunks], s.batch_size,
+            self.canary_methods,
             repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass,
         )
         self.method = self.decision.method
         if self.method.speculative:
+            self.watch.draft_name = getattr(self.draft, "name", self.watch.draft_name)
             self.watch.note = (
                 f"; the canary measured {self.decision.speedup:.2f}x the speed of plain decoding for "
                 f"{self.method.name} on {len(sample)} sample records"
@@ -297,7 +307,7 @@ class _Job:
             },
             "by_prompt_version": report.by_prompt_version(mine),
             "settings": {
-                "target": self.target.name, "draft": self.draft.name if self.draft is not None else None,
+                "target": self.target.name, "draft": drafts_name(self.drafts),
                 **method_fields(self.method), "batch_size": s.batch_size, "scheduler": s.scheduler, **dataclasses.asdict(d), "auto": s.auto,
                 "auto_sample": s.auto_sample if s.auto else None,
                 "auto_ks": list(s.auto_ks) if s.auto else None,
