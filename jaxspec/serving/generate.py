@@ -113,7 +113,9 @@ def generate(
     and sampled output is distributed exactly as the target's sampling distribution.
     prompts: strings (tokenized with the target's tokenizer) or lists of token ids.
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. seed: one int for all
-    prompts (each prompt still draws from its own stream) or one int per prompt.
+    prompts or one int per prompt; a prompt's random stream depends on its seed and token
+    positions only, never on its batch neighbours (so two equal prompts with one seed sample the
+    same text: give a seed per prompt for independent samples).
     tree: a static draft tree instead of a chain: a parents array (node 0 = the last committed
     token, parent -1; see jaxspec.trees) or a name from jaxspec.trees.NAMED_TREES.
     attention: "xla", "pallas" (the fused Pallas kernel for decode/verify steps; GPU, or CPU in
