@@ -257,8 +257,7 @@ def run_batch(args) -> int:
     target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
                   quantize=args.quantize)
     paths = args.draft or [embedded_model(DEFAULT_DRAFT)]
-    drafts = None if args.no_draft else [load_draft(args, path) for path in paths]
-    draft = drafts[0] if drafts and len(drafts) == 1 else drafts
+    draft = None if args.no_draft else [load_draft(args, path) for path in paths]  # run_job takes a list
     load_s = time.perf_counter() - t0
     with _jaxspec_logging():
         summary = run_job(args.input, args.output, target, draft, settings)

@@ -240,12 +240,13 @@ def eagle_rows(target, args, prompt_len: int, new_tokens: int, repeats: int, att
     for label, parents, kw in runs:
         plan = TreePlan.of(parents)
         t, D = plan.size, plan.max_depth
+        is_chain = parents == chain(D)
         # First pass: fc and the layer over up to D + 1 accepted pairs; then D - 1 passes over
         # one new token (a chain) or the tree's t - 1 nodes (dense-masked: the mask's content
         # costs nothing), and the target's verify pass of the t nodes.
         first = head_ms(head, embed, P, D + 1, True, 16, repeats)
-        later = step if parents == chain(D) else head_ms(head, embed, P, t - 1, False, 16, repeats)
-        key = ("target", f"t={t}") if parents == chain(D) else ("target", label.removeprefix("eagle "))
+        later = step if is_chain else head_ms(head, embed, P, t - 1, False, 16, repeats)
+        key = ("target", f"t={t}") if is_chain else ("target", label.removeprefix("eagle "))
         verify = costs.get(key) or forward_ms(target, 1, P, ancestor_mask(parents), attention, steps=16, repeats=repeats)
         compile_s, outs = _generate(prompts, target, head, new_tokens, repeats, attention, **kw)
         pre = _prefill_s(target, prompts, new_tokens, t + 1, repeats)

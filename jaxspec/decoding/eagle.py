@@ -102,13 +102,13 @@ class EagleDrafter:
         outputs = jnp.zeros((b, t, root_hidden.shape[-1]), root_hidden.dtype).at[:, 0].set(root_hidden)
         logits, parents = root_logits, np.zeros(1, np.int32)
         for d in range(1, plan.max_depth + 1):
+            nodes = plan.level(d)
             if d > 1:  # rerun nodes 1 .. t - 1, reading their parents' outputs; logits at level d - 1
-                parents = np.unique(parents_of[plan.level(d)])
+                parents = np.unique(parents_of[nodes])
                 logits, hidden, cache = head_forward(
                     w, self.config, embed, tokens[:, 1:], outputs[:, parents_of[1:]], cache, positions,
                     jnp.broadcast_to(jnp.asarray(parents - 1, jnp.int32), (b, parents.size)), mask)
                 outputs = outputs.at[:, 1:].set(hidden)
-            nodes = plan.level(d)
             chosen, q = pick_children(logits, parents, plan, nodes, r.sampling, r.keys, r.greedy_only)
             tokens = tokens.at[:, nodes].set(w.d2t[chosen])
             if q is not None:

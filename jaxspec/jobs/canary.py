@@ -187,16 +187,18 @@ def drafts_by_kind(draft) -> dict:
             raise InputError("draft: None in a list of drafts; leave it out")
         if kind in drafts:
             raise InputError(f"draft: at most one draft model, one EAGLE-3 head and one n-gram setting; "
-                             f"got {drafts[kind].name if hasattr(drafts[kind], 'name') else drafts[kind]!r} "
-                             f"and {d.name if hasattr(d, 'name') else d!r}")
+                             f"got {_name(drafts[kind])} and {_name(d)}")
         drafts[kind] = d
     return drafts
 
 
+def _name(draft) -> str:
+    return draft if isinstance(draft, str) else draft.name  # "ngram", or a model's / head's / Ngram's name
+
+
 def drafts_name(drafts: dict) -> str | None:
     """How summaries and logs name a job's drafts: "code-draft-4m", "code-draft-4m + code-eagle-16m"."""
-    names = [d if isinstance(d, str) else d.name for d in drafts.values()]
-    return " + ".join(names) if names else None
+    return " + ".join(map(_name, drafts.values())) if drafts else None
 
 
 def candidates(draft, settings) -> list[DecodeMethod]:

@@ -275,8 +275,8 @@ class _Job:
         rate = summary["totals"]["acceptance_rate"]
         if self.method.watches_acceptance and rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
             # This run's batches stayed above the threshold but the whole job (resumed) did not.
-            log.warning(low_acceptance_message(rate, self.settings.warn_below_acceptance,
-                                               summary["settings"]["draft"], self.target.name))
+            log.warning(low_acceptance_message(rate, self.settings.warn_below_acceptance, self.watch.draft_name,
+                                               self.target.name))
         return summary
 
     def summary(self) -> dict:

@@ -194,9 +194,9 @@ def convert_eagle(folder: str | Path, out: str | Path, dtype: str | None = None)
 
     folder, out = Path(folder), Path(out)
     load_eagle(folder, jnp.float32)  # every check a load makes, before anything is written
-    cast = (lambda a: a) if dtype is None else (  # noqa: E731
-        lambda a: a.astype(jnp.dtype(dtype)) if np.issubdtype(a.dtype, np.floating) or a.dtype == jnp.bfloat16 else a)
-    tensors = {k: np.ascontiguousarray(cast(v)) for k, v in _read_tensors(folder).items()}
+    floats = lambda a: dtype is not None and jnp.issubdtype(a.dtype, jnp.floating)  # noqa: E731  (bfloat16 too)
+    tensors = {k: np.ascontiguousarray(v.astype(jnp.dtype(dtype)) if floats(v) else v)
+               for k, v in _read_tensors(folder).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
