@@ -230,7 +230,7 @@ def head_forward(w: EagleWeights, config: EagleConfig, embed_table, tokens, hidd
     h = jnp.concatenate([rms_norm(e, w.embed_norm, c.rms_norm_eps), rms_norm(hidden, w.layer.attn_norm, c.rms_norm_eps)],
                         axis=-1)
     inv_freq = inverse_frequencies(c.rope, c.head_dim)
-    attn, k, v = self_attention(c, inv_freq, mask, positions, causal, False, False, None, cache.lengths, w.layer, h,
+    attn, k, v = self_attention(c, inv_freq, mask, positions, causal, "xla", False, None, cache.lengths, w.layer, h,
                                 cache.k[0], cache.v[0])
     x = hidden + attn
     x = x + gated_mlp(w.layer, rms_norm(x, w.layer.mlp_norm, c.rms_norm_eps), False, None)

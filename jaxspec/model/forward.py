@@ -22,12 +22,20 @@ from jaxspec.model.quantize import Quantized, stored_values
 from jaxspec.model.rope import apply_rope, inverse_frequencies, rope_tables
 from jaxspec.model.sharding import TP, local_config
 from jaxspec.model.weights import LayerWeights, Weights, weight_specs
+from pallas_kernels import rms_norm as rms_norm_kernel
+from pallas_kernels.causal_attention import causal_attention
 from pallas_kernels.matmul import matmul
 from pallas_kernels.tree_attention import BLOCK_K, tree_attention
 
 
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"  # the CPU runs Pallas kernels only in interpret mode
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float, deterministic: bool = False) -> jnp.ndarray:
     # As HF: normalise in float32, cast back to the activation dtype, then scale.
+    if deterministic:  # the kernel's sum of squares has one order for any number of rows
+        return rms_norm_kernel.rms_norm(x, weight.astype(x.dtype), eps, interpret=_interpret())
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
@@ -59,7 +67,11 @@ def attention_mask(
     return mask
 
 
-ATTENTION_IMPLS = ("xla", "pallas")
+# "deterministic": every row's result depends on that row alone (issue 25; docs/deterministic.md):
+# projections, norms and attention run kernels whose sums have one order for any number of rows,
+# any batch neighbours and any chunk a token comes in. Chains only (a tree's nodes are not at
+# their final positions).
+ATTENTION_IMPLS = ("xla", "pallas", "deterministic")
 PALLAS_MAX_CHUNK = 64  # the fused kernel serves decode/verify chunks; prefill stays on XLA
 
 
@@ -74,26 +86,42 @@ def _einsum(spec: str, a, b, **kwargs):
 KERNEL_MAX_ROWS = 16  # 8-bit weights: decode, verify and draft rows (one row block) take the kernel, more XLA
 
 
-def _quantized(x, q: Quantized, out_dtype=None):
+def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False):
     """x [..., q's contracted axes] @ q -> [..., q's output axes] in out_dtype (default x's): float32
     sums of x times the 8-bit values (exact in x's dtype), then the scales. The 8-bit kernel on
     accelerators for up to KERNEL_MAX_ROWS rows; XLA on the converted values elsewhere (the
-    CPU, and prefills, which are compute-bound)."""
+    CPU, and prefills, which are compute-bound); the kernel for every row count when
+    deterministic (on the CPU in interpret mode)."""
     out_axes = q.scale.shape
     n = math.prod(out_axes)
     k = q.values.size // n
     x2 = x.reshape(-1, k)
     w = q.values.reshape(n, k)  # channels first (Quantized)
     out_dtype = out_dtype or x.dtype
-    if jax.default_backend() != "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS:
-        out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True)
+    if deterministic or (jax.default_backend() != "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS):
+        out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True, interpret=_interpret())
     else:
         w = stored_values(q.replace(values=w)).astype(x.dtype)
         out = (_einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
     return out.reshape(*x.shape[: x.ndim - q.contract], *out_axes)
 
 
-def _project(spec: str, x, w, pad_one_row: bool, **kwargs):
+def _kernel_project(spec: str, x, w, out_dtype=None):
+    """The einsum `spec` of a projection ("bt<contracted>,<w's axes>-><out>") through the matmul
+    kernel, whose sums have one order for any number of rows: w's contracted axes lead it
+    ([k, n]) or trail it ([n, k]: a tied embedding)."""
+    xs, ws = spec.split("->")[0].split(",")
+    contracted = xs[2:]
+    nc = len(contracted)
+    w_nk = not ws.startswith(contracted)
+    k = math.prod(x.shape[2:])
+    out_axes = w.shape[: w.ndim - nc] if w_nk else w.shape[nc:]
+    out = matmul(x.reshape(-1, k), w.reshape(-1, k) if w_nk else w.reshape(k, -1), out_dtype=out_dtype, w_nk=w_nk,
+                 interpret=_interpret())
+    return out.reshape(*x.shape[:2], *out_axes)
+
+
+def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool = False, **kwargs):
     """A weight matmul of activations x [b, t, ...] (8-bit weights: _quantized, whose contracted
     axes lead w's as in every projection's spec). pad_one_row (the accelerators' layout): XLA's
     GPU simplifier rewrites a vector-matrix product with a matrix under 10M elements into
@@ -102,7 +130,9 @@ def _project(spec: str, x, w, pad_one_row: bool, **kwargs):
     keeps a one-row product on the GEMM path; the barrier stops the simplifier from seeing
     through it."""
     if isinstance(w, Quantized):
-        return _quantized(x, w, kwargs.get("preferred_element_type"))
+        return _quantized(x, w, kwargs.get("preferred_element_type"), deterministic)
+    if deterministic:
+        return _kernel_project(spec, x, w, kwargs.get("preferred_element_type"))
     if not (pad_one_row and x.shape[0] * x.shape[1] == 1):
         return _einsum(spec, x, w, **kwargs)
     padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))
@@ -127,11 +157,12 @@ def _xla_attention(c: ModelConfig, q, keys, values, mask):
     return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
 
 
-def _gate_up(h, w, bias, pad_one_row: bool):
+def _gate_up(h, w, bias, pad_one_row: bool, deterministic: bool):
     """(gate, up) [b, t, f] from fused or separate weights (see fuse_mlp)."""
     if isinstance(w, tuple):
-        return tuple(_add(_project("btd,df->btf", h, wi, pad_one_row), bi) for wi, bi in zip(w, bias or (None, None)))
-    gate_up = _add(_project("btd,dcf->btcf", h, w, pad_one_row), bias)
+        return tuple(_add(_project("btd,df->btf", h, wi, pad_one_row, deterministic), bi)
+                     for wi, bi in zip(w, bias or (None, None)))
+    gate_up = _add(_project("btd,dcf->btcf", h, w, pad_one_row, deterministic), bias)
     return gate_up[:, :, 0], gate_up[:, :, 1]
 
 
@@ -155,19 +186,39 @@ def _write(cache, layer, rows, slots, new):
     return cache, cache[layer]
 
 
-def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis,
+def _total(axis, deterministic: bool):
+    """The sum of a split product over the mesh axis (identity without one). Deterministic: the
+    shards' parts gathered and added in shard order, whatever algorithm the all-reduce picks
+    for this size."""
+    if axis is None:
+        return lambda y: y
+    if not deterministic:
+        return lambda y: lax.psum(y, axis)
+
+    def ordered(y):
+        parts = lax.all_gather(y, axis)
+        out = parts[0]
+        for i in range(1, parts.shape[0]):
+            out = out + parts[i]
+        return out
+    return ordered
+
+
+def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis,
                lengths, w: LayerWeights, h, cache_k, cache_v, layer=None):
     """Self-attention of normed inputs h [b, t, d_in] -> (its output projection [b, t, d], the
-    caches with the new keys and values written). See _layer for the other arguments."""
-    total = (lambda y: y) if axis is None else (lambda y: lax.psum(y, axis))  # noqa: E731
+    caches with the new keys and values written). impl: "xla", "pallas" (the tree-attention
+    kernel) or "deterministic" (ATTENTION_IMPLS). See _layer for the other arguments."""
+    det = impl == "deterministic"
+    total = _total(axis, det)
     b, t, _ = h.shape
     g = c.queries_per_kv
-    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row), w.bqkv)  # j: g queries, key, value
+    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row, det), w.bqkv)  # j: g queries, key, value
     q = qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim)
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if c.qk_norm:
-        q = rms_norm(q, w.q_norm, c.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+        q = rms_norm(q, w.q_norm, c.rms_norm_eps, det)
+        k = rms_norm(k, w.k_norm, c.rms_norm_eps, det)
     cos, sin = rope_tables(positions, inv_freq, h.dtype)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
@@ -178,35 +229,39 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas
     cache_k, keys = _write(cache_k, layer, rows, slots, k)
     cache_v, values = _write(cache_v, layer, rows, slots, v)
 
-    if pallas:
+    if det:  # the chunk's keys are in the cache already: each token sees slots up to its own
+        attn = causal_attention(q.astype(keys.dtype), keys, values, lengths, sliding_window=c.sliding_window,
+                                interpret=_interpret())
+    elif impl == "pallas":
         # Prefix = slots < lengths; the chunk's own keys come in beside it under chunk_mask.
         k_new, v_new = k.astype(keys.dtype), v.astype(values.dtype)
-        interpret = jax.default_backend() == "cpu"  # the CPU runs Pallas only in interpret mode
         attn = tree_attention(q.astype(keys.dtype), keys, values, k_new, v_new, lengths, chunk_mask,
-                              interpret=interpret)
+                              interpret=_interpret())
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    return _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row)), w.bo), cache_k, cache_v
+    return _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row, det)), w.bo), cache_k, cache_v
 
 
-def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis):
+def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool = False):
     """The gated MLP of normed inputs h [b, t, d] -> [b, t, d] (summed over axis)."""
-    total = (lambda y: y) if axis is None else (lambda y: lax.psum(y, axis))  # noqa: E731
-    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row)
-    return _add(total(_project("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, pad_one_row)), w.b_down)
+    total = _total(axis, deterministic)
+    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row, deterministic)
+    down = _project("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, pad_one_row, deterministic)
+    return _add(total(down), w.b_down)
 
 
-def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, pallas: bool, pad_one_row: bool, axis, lengths,
+def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis, lengths,
            w: LayerWeights, x, cache_k, cache_v, layer=None):
     """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
     [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
     pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
     ffn columns (c is then the shard's config): the o and down products are summed over it."""
-    h = rms_norm(x, w.attn_norm, c.rms_norm_eps)
-    attn, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, pallas, pad_one_row, axis, lengths,
+    det = impl == "deterministic"
+    h = rms_norm(x, w.attn_norm, c.rms_norm_eps, det)
+    attn, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, impl, pad_one_row, axis, lengths,
                                         w, h, cache_k, cache_v, layer)
     x = x + attn
-    x = x + gated_mlp(w, rms_norm(x, w.mlp_norm, c.rms_norm_eps), pad_one_row, axis)
+    x = x + gated_mlp(w, rms_norm(x, w.mlp_norm, c.rms_norm_eps, det), pad_one_row, axis, det)
     return x, cache_k, cache_v
 
 
@@ -217,7 +272,8 @@ def forward(
     cache: KVCache,
     positions: jnp.ndarray | None = None,  # [b, t]; default lengths + arange(t)
     chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
-    attention: str = "xla",  # "xla", or "pallas": the fused kernel for chunks of <= 64 tokens
+    attention: str = "xla",  # "xla", "pallas" (the fused kernel for chunks of <= 64 tokens) or
+    # "deterministic" (ATTENTION_IMPLS; causal chunks only)
     logits_at: jnp.ndarray | None = None,  # [b] or [b, m] int32: the positions whose logits are wanted
     features_at: tuple[int, ...] = (),  # layers whose input (the residual stream) is also returned;
     # num_layers: the last layer's output (before the final norm)
@@ -232,6 +288,9 @@ def forward(
     over a mesh (weights.mesh) run per shard under shard_map; the cache is split by kv heads.
     """
     b, t = tokens.shape
+    if attention == "deterministic" and (positions is not None or chunk_mask is not None):
+        raise InputError("deterministic mode verifies chains only: a tree's nodes are not at their final positions "
+                         "(pass no positions or chunk_mask)")
     if positions is None:
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if chunk_mask is None:
@@ -270,15 +329,16 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
         if not 0 <= i <= config.num_layers:
             raise InputError(f"feature layers must be in [0, {config.num_layers}]; got {features_at}")
     t = tokens.shape[1]
-    pallas = use_pallas(attention, config, t, cache.capacity)
-    mask = None if pallas else attention_mask(
+    det = attention == "deterministic"
+    impl = attention if det else "pallas" if use_pallas(attention, config, t, cache.capacity) else "xla"
+    mask = None if impl != "xla" else attention_mask(
         cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window
     )
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     x = _embed(weights.embed, tokens, axis, config.vocab_size)
     unrolled = isinstance(weights.layers, tuple)  # the accelerators' layout (see Weights)
-    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, pallas, unrolled, axis,
+    layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, impl, unrolled, axis,
                               cache.lengths)
     features = [None] * len(features_at)
     if unrolled:  # unrolled over separate arrays
@@ -310,11 +370,11 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
     if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
         at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
         x = jnp.take_along_axis(x, at[:, :, None], axis=1)
-    x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
+    x = rms_norm(x, weights.final_norm, config.rms_norm_eps, det)
     if weights.lm_head is None:
-        logits = _project("btd,vd->btv", x, weights.embed, unrolled, preferred_element_type=jnp.float32)
+        logits = _project("btd,vd->btv", x, weights.embed, unrolled, det, preferred_element_type=jnp.float32)
     else:
-        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, preferred_element_type=jnp.float32)
+        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, det, preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
         logits = lax.all_gather(logits, axis, axis=2, tiled=True)
     return logits, cache.replace(k=new_k, v=new_v), features
