@@ -49,6 +49,12 @@ def run_convert(args) -> int:
     return 0
 
 
+def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic mode: every prompt's tokens depend on that prompt alone, bit for bit, in any "
+                        "dtype (alone or in any batch, plain or speculative; chains only; docs/deterministic.md)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -120,7 +126,7 @@ def run_generate(args) -> int:
     draft = load_draft(args, args.draft) if args.draft else None
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, tree=args.tree,
-                    attention=args.attention)
+                    attention=args.attention, deterministic=args.deterministic)
     outs = generate(prompts, target, draft, **settings)
     _print_completions(prompts, outs, args.json)
     m = outs.metrics
@@ -198,6 +204,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="summary plot PNG path (default: OUT.png)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_deterministic_arg(p)
     g = p.add_argument_group("several replicas (Ray; pip install 'jaxspec[distributed]')")
     g.add_argument("--workers", type=int, default=1, help="model replicas as Ray actors (default 1: in this process)")
     g.add_argument("--gpus-per-worker", type=float,
@@ -239,7 +246,7 @@ def job_settings(args) -> JobSettings:
         refill_at=args.refill_at, auto=args.auto, auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
         auto_trees=tuple(t for t in args.auto_trees.split(",") if t), auto_ngram_ks=tuple(args.auto_ngram_k),
         auto_repeats=args.auto_repeats, auto_min_speedup=args.auto_min_speedup,
-        warn_below_acceptance=args.warn_below_acceptance, workers=args.workers,
+        warn_below_acceptance=args.warn_below_acceptance, deterministic=args.deterministic, workers=args.workers,
         gpus_per_worker=args.gpus_per_worker, ray_address=args.ray_address,
         metrics_log=None if args.no_metrics_log else (args.metrics_log or True), summary_path=args.summary,
         plot_path=None if args.no_plot else (args.plot or True), progress=not args.no_progress,
@@ -287,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", help="a named draft tree instead of a chain of K (binary-3, sparse, chain-3, chain-7)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
+    add_deterministic_arg(p)
     p.add_argument("--compare-plain", action="store_true",
                    help="also decode plainly and print the measured speedup and whether the output is identical")
     add_sampling_args(p)

@@ -25,7 +25,7 @@ from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_
 from jaxspec.distributed import add_parallel_args
 from jaxspec.errors import CheckpointError, InputError
 from jaxspec.model.loading import load
-from jaxspec.serving.generate import generate
+from jaxspec.serving.generate import generate, resolve_attention
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trees", default="", help="comma-separated named draft trees to try too (e.g. binary-3,sparse)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="attention path for decode/verify (auto: pallas on GPU, xla on CPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every jaxspec row in deterministic mode (docs/deterministic.md; chains only)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row; the best is kept")
     p.add_argument("--hf-repeats", type=int, help="timed passes per HF row (default: --repeats; HF on a CPU is slow)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="jaxspec compute dtype (default: f32 CPU, bf16 GPU)")
@@ -164,6 +166,8 @@ def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_
 
 def run_bench(args) -> int:
     compile_cache.disable()  # the compile seconds it reports are first compiles, never disk reads
+    if args.deterministic:  # every path below resolves args.attention
+        args.attention = resolve_attention(args.attention, True)
     if args.shape:
         args.batch_sizes = args.batch_sizes or [1, 8, 32, 64]
         return run_scale_bench(args)

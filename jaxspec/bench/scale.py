@@ -49,6 +49,7 @@ from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import forward
 from jaxspec.model.loading import load, replicated_on
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
+from jaxspec.errors import InputError
 from jaxspec.serving.generate import build_requests, generate, resolve_attention
 
 PARTS = ("hf", "plain", "forward", "spec", "prefill", "acceptance", "continuous", "eagle")
@@ -115,10 +116,12 @@ def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
 @functools.partial(jax.jit, static_argnames=("config", "steps", "attention"), donate_argnames=("cache",))
 def _forward_loop(weights, cache, tokens, positions, chunk_mask, *, config, steps, attention):
     """`steps` forward passes of the same shape; tokens change per pass so nothing is hoisted."""
+    causal = attention == "deterministic"  # its chunks are causal at the cache's lengths (forward_ms checks)
+
     def body(i, carry):
         cache, acc = carry
-        logits, cache = forward(weights, config, (tokens + i) % config.vocab_size, cache, positions,
-                                chunk_mask, attention=attention)
+        logits, cache = forward(weights, config, (tokens + i) % config.vocab_size, cache,
+                                None if causal else positions, None if causal else chunk_mask, attention=attention)
         return cache, acc + logits[:, 0, 0]
     return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros(tokens.shape[:1], jnp.float32)))
 
@@ -126,6 +129,8 @@ def _forward_loop(weights, cache, tokens, positions, chunk_mask, *, config, step
 def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention: str, steps: int, repeats: int) -> float:
     """ms of one forward pass of t = len(chunk_mask) tokens per row over a `prefix`-token cache."""
     t = chunk_mask.shape[0]
+    if attention == "deterministic" and not np.array_equal(chunk_mask, np.tril(np.ones((t, t), bool))):
+        raise InputError("deterministic mode verifies chains only: time trees without --deterministic")
     cap = cache_capacity(prefix, t, 0)
     tokens = jnp.ones((batch, t), jnp.int32)
     positions = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))

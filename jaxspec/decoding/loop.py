@@ -28,7 +28,8 @@ from jaxspec.decoding.state import FINISH_LENGTH, RUNNING, Batch
 class Loop(Protocol):
     result_fields: tuple[str, ...]
 
-    def start(self, weights, params, batch: Batch, capacity: int, max_out: int, greedy_only: bool): ...
+    def start(self, weights, params, batch: Batch, capacity: int, max_out: int, greedy_only: bool,
+              attention: str = "xla"): ...
 
     def fits(self, state, batch: Batch) -> jnp.ndarray: ...
 
@@ -73,7 +74,7 @@ def results(fields: dict, xp=jnp) -> dict:
 def decode(weights, params, batch: Batch, *, loop: Loop, capacity: int, max_out: int, greedy_only: bool,
            attention: str = "xla") -> dict:
     """Prefill and the whole loop over a fresh batch as one compiled graph -> results()."""
-    state = loop.start(weights, params, batch, capacity, max_out, greedy_only)
+    state = loop.start(weights, params, batch, capacity, max_out, greedy_only, attention)
     return results(read_back(loop, run_loop(loop, weights, params, batch, state, greedy_only, attention)))
 
 

@@ -46,11 +46,11 @@ class PlainLoop:
     slack = 0  # cache slots a step writes past a row's committed tokens and budget
 
     def start(self, weights: Weights, params, batch: Batch, capacity: int, max_out: int,
-              greedy_only: bool) -> DecodeState:
+              greedy_only: bool, attention: str = "xla") -> DecodeState:
         """Prefill and the first token: the loop state of a fresh batch (padding rows finished)."""
         c = self.config
         b = batch.tokens.shape[0]
-        logits, cache = prefill(weights, c, batch, capacity, weights.embed.dtype)
+        logits, cache = prefill(weights, c, batch, capacity, weights.embed.dtype, attention=attention)
         zeros = jnp.zeros((b,), jnp.int32)
         state = DecodeState(
             cache=cache,

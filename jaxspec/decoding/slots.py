@@ -27,17 +27,18 @@ def _slot_batch(batch: Batch) -> Batch:
     return batch.replace(tokens=jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only"))
-def begin(weights, params, batch, *, loop, capacity, max_out, greedy_only):
-    """Every slot empty (a batch of padding rows)."""
-    return loop.start(weights, params, batch, capacity, max_out, greedy_only), _slot_batch(batch)
+@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only", "attention"))
+def begin(weights, params, batch, *, loop, capacity, max_out, greedy_only, attention="xla"):
+    """Prefills `batch` (on the continuous scheduler's first call, every slot empty: padding rows)."""
+    return loop.start(weights, params, batch, capacity, max_out, greedy_only, attention), _slot_batch(batch)
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only"),
+@functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only", "attention"),
                    donate_argnames=("state", "slots_batch"))
-def admit(weights, params, state, slots_batch, new_batch, slots, *, loop, capacity, max_out, greedy_only):
+def admit(weights, params, state, slots_batch, new_batch, slots, *, loop, capacity, max_out, greedy_only,
+          attention="xla"):
     """Prefills new_batch's rows and puts them into `slots` (past the end: padding, dropped)."""
-    new = loop.start(weights, params, new_batch, capacity, max_out, greedy_only)
+    new = loop.start(weights, params, new_batch, capacity, max_out, greedy_only, attention)
     return insert_rows(state, new, slots), insert_rows(slots_batch, _slot_batch(new_batch), slots)
 
 

@@ -129,14 +129,14 @@ class SpeculativeLoop:
         return len(self.drafter.tree) + 1
 
     def start(self, weights: Weights, params, batch: Batch, capacity: int, max_out: int,
-              greedy_only: bool) -> SpecState:
+              greedy_only: bool, attention: str = "xla") -> SpecState:
         """Prefill and the first token (from the target's prefill, exactly as in plain decoding):
         the loop state of a fresh batch (padding rows finished)."""
         c = self.config
         D = TreePlan.of(self.drafter.tree).max_depth
         b = batch.tokens.shape[0]
         layers = self.feature_layers
-        logits, t_cache, *features = prefill(weights, c, batch, capacity, weights.embed.dtype, layers)
+        logits, t_cache, *features = prefill(weights, c, batch, capacity, weights.embed.dtype, layers, attention)
         zeros = jnp.zeros((b,), jnp.int32)
         first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
         extra = {"features": features[0]} if layers else {}

@@ -34,12 +34,15 @@ def is_eos(tokens: jnp.ndarray, eos_ids: tuple[int, ...]) -> jnp.ndarray:
     return hit
 
 
-def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, dtype, features_at=()):
+def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, dtype, features_at=(),
+            attention: str = "xla"):
     """Runs the prompts; returns (logits of each row's last prompt token [b, v], cache), and with
-    features_at the prompt's features as a third item (forward's)."""
+    features_at the prompt's features as a third item (forward's). attention: the loop's; a
+    prefill runs XLA's attention unless it is "deterministic" (whose kernels it must share)."""
     b = batch.tokens.shape[0]
     cache = KVCache.create(config, b, capacity, dtype, stacked=not isinstance(weights.layers, tuple), mesh=weights.mesh)
     logits, cache, *features = forward(weights, config, batch.tokens, cache,
+                                       attention="deterministic" if attention == "deterministic" else "xla",
                                        logits_at=jnp.maximum(batch.prompt_lens - 1, 0), features_at=features_at)
     return (logits[:, 0], cache.replace(lengths=batch.prompt_lens), *features)
 

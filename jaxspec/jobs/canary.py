@@ -65,6 +65,7 @@ class Trial:
     """One candidate method: its outputs (first pass) and best time per chunk of the sample."""
 
     method: DecodeMethod
+    attention: str = "xla"  # as the job itself runs (resolve_attention)
     outputs: list[Completions] = dataclasses.field(default_factory=list)  # one per chunk
     best_s: list[float] = dataclasses.field(default_factory=list)  # least decode time per chunk
     passes: int = 0
@@ -72,8 +73,7 @@ class Trial:
     mismatched: int = 0  # greedy sample records whose output differs from plain decoding's
 
     def run(self, target: Model, draft: Model | None, chunk: list[Request], batch_size: int) -> Completions:
-        # The fused kernel on GPUs, as the job itself runs.
-        return run(target, chunk, batch_size, self.method, draft, attention=resolve_attention("auto"))
+        return run(target, chunk, batch_size, self.method, draft, attention=self.attention)
 
     @property
     def completions(self) -> list:
@@ -221,7 +221,7 @@ def candidates(draft, settings) -> list[DecodeMethod]:
 def run_canary(
     target: Model, draft, chunks: list[list[Request]], batch_size: int,
     methods: list[DecodeMethod], *, repeats: int = 2, min_speedup: float = 1.05, keep_within: float = 0.9,
-    on_pass=None,
+    on_pass=None, deterministic: bool = False,
 ) -> Decision:
     """Times each of `methods` (the first: plain decoding, the baseline) on the sample `chunks`
     (lists of requests, each run as one call of at most batch_size rows); `draft`: the draft
@@ -233,6 +233,7 @@ def run_canary(
     lossless) are dropped, and the canary stops once only plain decoding is left: a useless
     draft, or a batch size where speculation clearly loses, costs one pass, not all of them.
     on_pass(trial, pass_number, new_tokens, decode_s, compile_s): called after each candidate's pass.
+    deterministic: the candidates run in deterministic mode, as the job will.
     Returns the Decision; `decision.chosen.outputs` are the sample's completions, per chunk.
     """
     chunks = [c for c in chunks if c]
@@ -247,7 +248,8 @@ def run_canary(
         if m.kind in ("draft", "eagle") and m.kind not in drafts:
             raise InputError(f"the canary's candidate {m.name!r} needs a "
                              f"{'draft model' if m.kind == 'draft' else 'EAGLE-3 head'} among the drafts")
-    trials = [Trial(m) for m in methods]
+    attention = resolve_attention("auto", deterministic)  # the fused kernel on GPUs, as the job runs
+    trials = [Trial(m, attention) for m in methods]
     active = list(trials)
     for p in range(repeats):
         spent = {id(t): [0, 0.0, 0.0] for t in active}

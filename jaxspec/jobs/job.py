@@ -248,7 +248,7 @@ class _Job:
         self.decision = run_canary(
             self.target, list(self.drafts.values()), [[r.request for r in c] for c in chunks], s.batch_size,
             self.canary_methods,
-            repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass,
+            repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass, deterministic=s.deterministic,
         )
         self.method = self.decision.method
         if self.method.speculative:

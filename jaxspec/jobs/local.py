@@ -28,7 +28,7 @@ def plan_chunks(records: list[Record], batch_size: int) -> list[list[Record]]:
 def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod, emit) -> None:
     """Serves `todo` by `method` with settings.scheduler at settings.batch_size; emit(records,
     completions, decode_s, compile_s, worker=None) as records finish."""
-    attention = resolve_attention("auto")  # the fused kernel on GPUs (XLA's attention on the CPU)
+    attention = resolve_attention("auto", settings.deterministic)  # the fused kernel on GPUs (XLA's on the CPU)
     if settings.scheduler == "continuous":
         def on_done(pairs, decode_s, compile_s):  # rows written as they finish, a return to the host at a time
             emit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, None)

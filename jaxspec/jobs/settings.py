@@ -73,6 +73,8 @@ class JobSettings:
     sample (auto_sample: a fraction in (0, 1], at least 8 records and two batches, or a count),
     best of auto_repeats passes; speculation is chosen only when auto_min_speedup times faster.
     warn_below_acceptance: warn when the running acceptance rate falls below it.
+    deterministic: each record's tokens depend on that record alone, bit for bit, whatever the
+    batch size, scheduler or drafter (docs/deterministic.md); the canary then tries no trees.
     workers: model replicas; more than 1 runs them as Ray actors (the `distributed` extra), each
     with gpus_per_worker GPUs (default: the target's tensor_parallel on GPUs, none on the CPU),
     on a local Ray instance or the cluster at ray_address ("auto", "HOST:PORT").
@@ -97,6 +99,7 @@ class JobSettings:
     auto_repeats: int = 2
     auto_min_speedup: float = 1.05
     warn_below_acceptance: float = DEFAULT_WARN_BELOW
+    deterministic: bool = False
     workers: int = 1
     gpus_per_worker: float | None = None
     ray_address: str | None = None
@@ -113,7 +116,7 @@ class JobSettings:
             raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {self.scheduler!r}")
         if self.refill_at is not None:
             check_int(self.refill_at, "refill_at", 1)
-        for name in ("auto", "progress"):
+        for name in ("auto", "progress", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True or False; got {getattr(self, name)!r}")
         check_sample(self.auto_sample)
@@ -122,6 +125,9 @@ class JobSettings:
         if isinstance(self.auto_trees, str):
             raise InputError(f"auto_trees must be a list of tree names; got {self.auto_trees!r}")
         object.__setattr__(self, "auto_trees", tuple(self.auto_trees))
+        if self.deterministic and self.auto_trees:
+            raise InputError(f"auto_trees must be empty with deterministic (it verifies chains only); "
+                             f"got {list(self.auto_trees)}")
         for name in self.auto_trees:
             resolve_tree(name)
         check_int(self.auto_repeats, "auto_repeats", 1)

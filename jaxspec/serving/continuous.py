@@ -74,7 +74,7 @@ class _Slots:
         self.refill_at = refill_at or default_refill_at(slots)
         self.admit_rows = min(bucket(self.refill_at, 1), bucket(slots, 1))  # rows per prefill-and-insert
         self.max_steps = max_steps or max_out
-        self.static = dict(loop=loop, capacity=capacity, max_out=max_out, greedy_only=greedy_only)
+        self.static = dict(loop=loop, capacity=capacity, max_out=max_out, greedy_only=greedy_only, attention=attention)
         self.advance_static = dict(loop=loop, greedy_only=greedy_only, attention=attention)
         self.fields = tuple(f for f in loop.result_fields if f != "finish")  # finish is fetched at every return
         by_budget = lambda i: (-reqs[i].max_new_tokens, len(reqs[i].token_ids))  # noqa: E731

@@ -47,8 +47,16 @@ def build_requests(
     return requests
 
 
-def resolve_attention(attention) -> str:
-    """"auto" -> the fused Pallas kernel on GPUs, XLA's attention on the CPU; else checked."""
+def resolve_attention(attention, deterministic: bool = False) -> str:
+    """"auto" -> the fused Pallas kernel on GPUs, XLA's attention on the CPU; else checked.
+    deterministic: "deterministic" (its own kernels; docs/deterministic.md), which "auto" allows."""
+    if not isinstance(deterministic, bool):
+        raise InputError(f"deterministic must be True or False; got {deterministic!r}")
+    if deterministic:
+        if attention not in ("auto", "deterministic"):
+            raise InputError(f"deterministic mode runs its own attention kernel: leave attention 'auto'; "
+                             f"got {attention!r}")
+        return "deterministic"
     if attention == "auto":
         return "xla" if jax.default_backend() == "cpu" else "pallas"
     if attention not in ATTENTION_IMPLS:
@@ -96,6 +104,7 @@ def generate(
     max_batch_size: int = 32,
     warn_below_acceptance: float = DEFAULT_WARN_BELOW,
     attention: str = "auto",
+    deterministic: bool = False,
     tree=None,
     ngram_min: int = 1,
     ngram_max: int = 3,
@@ -120,6 +129,9 @@ def generate(
     token, parent -1; see jaxspec.trees) or a name from jaxspec.trees.NAMED_TREES.
     attention: "xla", "pallas" (the fused Pallas kernel for decode/verify steps; GPU, or CPU in
     interpret mode for tests) or "auto" (pallas on GPUs, xla on the CPU).
+    deterministic: every row's result depends on that row alone, bit for bit, in any dtype: the
+    same prompt gives the same tokens alone or in any batch, plainly or speculatively, under
+    either scheduler (docs/deterministic.md). Chains only: a tree is refused.
     graphs: the compiled-graph cache (jaxspec.GraphCache); default: the target's own.
     Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
     warning when the call's acceptance rate is below `warn_below_acceptance`.
@@ -131,7 +143,7 @@ def generate(
     requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
     # Past one batch, slots are refilled as rows finish rather than waiting for a batch's longest.
     scheduler = "continuous" if len(requests) > max_batch_size else "static"
-    outs = run(target, requests, max_batch_size, method, draft, attention=resolve_attention(attention),
+    outs = run(target, requests, max_batch_size, method, draft, attention=resolve_attention(attention, deterministic),
                scheduler=scheduler, graphs=graphs)
     warn_if_low(outs, method, draft, target, warn_below_acceptance)
     return outs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from jaxspec.decoding.method import DecodeMethod
+from jaxspec.decoding.trees import chain
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
 from jaxspec.model.eagle import EagleHead
@@ -35,6 +36,9 @@ def run(
         raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if admit_order not in ADMIT_ORDERS:
         raise InputError(f"admit_order must be one of {', '.join(ADMIT_ORDERS)}; got {admit_order!r}")
+    if attention == "deterministic" and method.parents != chain(method.k):
+        raise InputError(f"deterministic mode verifies chains only; {method.name} drafts a tree, whose nodes are "
+                         "not at their final positions (use a chain: num_draft_tokens without tree, ngram_branches=1)")
     graphs = target.graphs if graphs is None else graphs
     if isinstance(draft, (Model, EagleHead)):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's

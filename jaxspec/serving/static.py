@@ -26,7 +26,7 @@ from jaxspec.serving.requests import Request
 from jaxspec.serving.stats import Completion, completion
 
 
-def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop):
+def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop, attention: str):
     """(request indices, padded batch, begin's static arguments) of each group."""
     out = []
     shapes = batch_shapes([[requests[i] for i in g] for g in groups], loop.slack)
@@ -35,7 +35,7 @@ def _batches(target: Model, requests: list[Request], groups: list[list[int]], lo
         # Whole on every device of the target's mesh: every process passes the same batch.
         batch = replicate(make_batch(reqs, rows, prompt_len, target.config.pad_token_id), target.mesh)
         out.append((group, batch, dict(loop=loop, capacity=capacity, max_out=max_out,
-                                       greedy_only=all(r.sampling.greedy for r in reqs))))
+                                       greedy_only=all(r.sampling.greedy for r in reqs), attention=attention)))
     return out
 
 
@@ -94,7 +94,7 @@ def run_static(target: Model, requests: list[Request], max_batch_size: int, loop
     decode_s, compile_s) after each batch with its (request index, Completion) pairs. Returns
     (completions in request order, decode seconds)."""
     groups = groups if groups is not None else plan_batches(requests, max_batch_size)
-    batches = _batches(target, requests, groups, loop)
+    batches = _batches(target, requests, groups, loop, attention)
     shared = jax.default_backend() != "cpu"  # one loop for the call (see the module docstring)
     compile_s, executables = _precompile(target, batches, params, attention, graphs, shared)
     done: list[Completion | None] = [None] * len(requests)
