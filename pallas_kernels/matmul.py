@@ -7,16 +7,24 @@ Layout:
   w      [k, n]  weights: x's dtype, int8, or fp8 e4m3fn given as its uint8 bits (FORMATS);
                  or [n, k] with w_nk (each output channel contiguous, as 8-bit models keep them)
   scale  [n]     float32 per output channel (None: no scaling)
+  norm   [k]     optional RMS norm weight: out = rms_norm(x, norm) @ w, fused (below)
   -> out [m, n]  in x's dtype (or out_dtype: float32 for logits)
 
-Grid (m / block_m, n / block_n, split_k; rows padded to block_m): each program owns one
-block_m x block_n output tile and reduces over its k / split_k share in blocks of block_k, in
-order, with one float32 accumulator; split partials are added in order after. split_k fills the
-GPU when n alone gives few tiles (a decode step's o projection: 64). The tiles depend on (k, n)
-only, so every output element is summed in the same order whatever m is and whatever the other
-rows hold: a row gives the same bits alone, in a
-batch, or in a verify pass of K+1 rows (issue 25). At decode row counts the kernel is bound by
-reading w, which 8-bit weights halve (issue 26).
+Grid (m / (block_m * subs), n / block_n, split_k; rows padded): each program owns `subs` row
+blocks of block_m rows beside one block_n-wide column tile and reduces over its k / split_k
+share in blocks of block_k, in order, one float32 accumulator per row block: every weight tile
+it loads serves all its rows (batches read each weight once), while every dot stays
+[block_m, block_k] x [block_k, block_n], one instruction shape whatever subs is. Split partials
+are added in order after. split_k fills the GPU when n alone gives few tiles (a decode step's o
+projection: 64). The tiles and splits depend on (k, n) only, so every output element is summed
+in the same order whatever m is and whatever the other rows hold: a row gives the same bits
+alone, in a batch, or in a verify pass of K+1 rows (issue 25). At decode row counts the kernel
+is bound by reading w, which 8-bit weights halve (issue 26).
+
+The fused RMS norm (deterministic mode's q/k/v, gate/up and lm_head) saves the separate norm
+kernels: x is scaled by the norm weight as it is loaded, each row's sum of squares is taken
+from the same loads (per block, then in block order), and the row's 1/rms scales the output in
+the epilogue: rms_norm(x) @ w computed as (x * norm) @ w / rms(x).
 
 8-bit weights become x's dtype in registers. int8 converts exactly. fp8 e4m3fn is decoded from its
 bits without fp8 hardware or Triton's fp8 casts (absent for ROCm's e4m3fnuz in Pallas): its
@@ -98,34 +106,73 @@ def _dot(a, b, contract=((1,), (0,))):
                            preferred_element_type=jnp.float32)
 
 
-def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_nk: bool):
-    scale_ref, o_ref = rest if scaled else (None, rest[0])
-    k = x_ref.shape[1]
+def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int,
+                   normed: bool, eps: float, k_total: int, split: bool):
+    refs = list(rest)
+    norm_ref = refs.pop(0) if normed else None
+    scale_ref = refs.pop(0) if scaled else None
+    o_ref = refs.pop(0)
+    squares_ref = refs.pop(0) if normed and split else None
+    kk = x_ref.shape[1]
+    bm = x_ref.shape[0] // subs
+    bn = o_ref.shape[-1]
 
-    def step(i, acc):
+    def step(i, carry):
         at = pl.multiple_of(i * block_k, block_k)
-        x = x_ref[:, pl.ds(at, block_k)]
+        dtype = x_ref.dtype
         if w_nk:
-            w = _weights_as(w_ref[:, pl.ds(at, block_k)], fmt, x.dtype)
-            return acc + _dot(x, w, ((1,), (1,)))
-        w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, x.dtype)
-        return acc + _dot(x, w)
+            w = _weights_as(w_ref[:, pl.ds(at, block_k)], fmt, dtype)
+        else:
+            w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, dtype)
+        out = []
+        for r, (acc, squares) in enumerate(carry):  # one dot shape per row block, whatever subs is
+            x = x_ref[pl.ds(r * bm, bm), pl.ds(at, block_k)]
+            if normed:
+                x32 = x.astype(jnp.float32)
+                squares = squares + jnp.sum(x32 * x32, axis=1)
+                x = x * norm_ref[pl.ds(at, block_k)][None, :].astype(dtype)
+            acc = acc + (_dot(x, w, ((1,), (1,))) if w_nk else _dot(x, w))
+            out.append((acc, squares))
+        return tuple(out)
 
-    acc = lax.fori_loop(0, k // block_k, step, jnp.zeros(o_ref.shape[-2:], jnp.float32))
-    if scaled:
-        acc = acc * scale_ref[...][None, :]
-    o_ref[...] = acc.reshape(o_ref.shape).astype(o_ref.dtype)
+    zero = (jnp.zeros((bm, bn), jnp.float32), jnp.zeros((bm,), jnp.float32))
+    carry = lax.fori_loop(0, kk // block_k, step, (zero,) * subs)
+    for r, (acc, squares) in enumerate(carry):
+        if normed and not split:
+            acc = acc * lax.rsqrt(squares / k_total + eps)[:, None]
+        if scaled:
+            acc = acc * scale_ref[...][None, :]
+        rows = pl.ds(r * bm, bm)
+        o_ref[rows, :] = acc.astype(o_ref.dtype)  # float32 partials when split
+        if squares_ref is not None:
+            @pl.when(pl.program_id(1) == 0)  # every column tile computes the same sums: one writes them
+            def _():
+                squares_ref[rows] = squares
+
+
+MAX_SUBS = 4  # row blocks per program: at 64 rows and more each weight tile is read once
+
+
+def row_blocks(m: int, block_m: int = BLOCK_M) -> int:
+    """Row blocks per program for m rows: enough for all of them, up to MAX_SUBS (a power of two)."""
+    subs = 1
+    while subs < MAX_SUBS and subs * block_m < m:
+        subs *= 2
+    return subs
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_m", "block_k", "block_n", "split_k", "w_nk",
-                                             "num_warps", "num_stages", "interpret"))
-def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int = BLOCK_M,
+                                             "eps", "subs", "num_warps", "num_stages", "interpret"))
+def matmul(x, w, scale=None, norm=None, *, fmt: str = "float", out_dtype=None, block_m: int = BLOCK_M,
            block_k: int | None = None, block_n: int | None = None, split_k: int | None = None, w_nk: bool = False,
-           num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+           eps: float = 1e-6, subs: int | None = None, num_warps: int = 4, num_stages: int = 3,
+           interpret: bool = False):
     """x [m, k] @ w [k, n] (times scale [n]) -> [m, n] in out_dtype (default x's); see the
     module docstring. Tiles: `tiling` (None: its defaults). split_k > 1: that many programs each
     sum a fixed k range, and their float32 partials are added in order afterwards. w_nk: w is
-    given as [n, k] (each output channel contiguous: faster for 8-bit weights)."""
+    given as [n, k] (each output channel contiguous: faster for 8-bit weights). norm [k]: x is
+    RMS-normalised (epsilon eps) and scaled by norm first, fused. subs: row blocks per program
+    (default row_blocks(m)); it never changes a row's bits."""
     if fmt not in FORMATS:
         raise ValueError(f"matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
@@ -135,47 +182,70 @@ def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int
     expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
     if w.dtype != expected:
         raise ValueError(f"matmul w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"matmul norm must be [k={k}]; got {list(norm.shape)}")
     block_k, block_n, split_k = tiling(k, n, block_k, block_n, split_k)
-    rows = -(-m // block_m) * block_m
+    subs = subs or row_blocks(m, block_m)
+    tile_m = block_m * subs
+    rows = -(-m // tile_m) * tile_m
     xp = x if rows == m else jnp.pad(x, ((0, rows - m), (0, 0)))
     kk = k // split_k  # each program's share of the sum
     s = jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     s = s * FP8_SHIFT if fmt == "fp8" else s
     scaled = split_k == 1 and (scale is not None or fmt == "fp8")
+    normed = norm is not None
+    split = split_k > 1
     # The row blocks of one weight tile are neighbours in the launch order (grid axis 0), so a
-    # batch reads each tile from memory once and from L2 after.
+    # batch past tile_m rows reads each tile from memory once and from L2 after.
     args = [xp, w]
-    in_specs = [pl.BlockSpec((block_m, kk), lambda i, j, p: (i, p)),
+    in_specs = [pl.BlockSpec((tile_m, kk), lambda i, j, p: (i, p)),
                 pl.BlockSpec((block_n, kk), lambda i, j, p: (j, p)) if w_nk else
                 pl.BlockSpec((kk, block_n), lambda i, j, p: (p, j))]
+    out_specs = [pl.BlockSpec((None, tile_m, block_n), lambda i, j, p: (p, i, j)) if split else
+                 pl.BlockSpec((tile_m, block_n), lambda i, j, p: (i, j))]
+    out_shape = [jax.ShapeDtypeStruct((split_k, rows, n) if split else (rows, n),
+                                      jnp.float32 if split else out_dtype or x.dtype)]
+    if normed:
+        args.append(norm)
+        in_specs.append(pl.BlockSpec((kk,), lambda i, j, p: (p,)))
     if scaled:
         args.append(s)
         in_specs.append(pl.BlockSpec((block_n,), lambda i, j, p: (j,)))
-    split = split_k > 1
-    out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled, w_nk=w_nk),
-        grid=(rows // block_m, n // block_n, split_k),
+    if normed and split:  # each split's sums of squares
+        out_specs.append(pl.BlockSpec((None, tile_m), lambda i, j, p: (p, i)))
+        out_shape.append(jax.ShapeDtypeStruct((split_k, rows), jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled, w_nk=w_nk, subs=subs,
+                          normed=normed, eps=float(eps), k_total=k, split=split),
+        grid=(rows // tile_m, n // block_n, split_k),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, p: (p, i, j)) if split else
-        pl.BlockSpec((block_m, block_n), lambda i, j, p: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((split_k, rows, n) if split else (rows, n),
-                                       jnp.float32 if split else out_dtype or x.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"matmul_{fmt}",
     )(*args)
-    if split:  # partials added in a fixed order (an unrolled chain XLA keeps), then the scales
+    out = outs[0]
+    if split:  # partials added in a fixed order (an unrolled chain XLA keeps), then the norm and scales
         total = out[0]
         for p in range(1, split_k):
             total = total + out[p]
+        if normed:
+            squares = outs[1][0]
+            for p in range(1, split_k):
+                squares = squares + outs[1][p]
+            total = total * lax.rsqrt(squares / k + eps)[:, None]
         out = (total * s[None, :] if scale is not None or fmt == "fp8" else total).astype(out_dtype or x.dtype)
     return out if rows == m else out[:m]
 
 
-def matmul_reference(x, w, scale=None, fmt: str = "float"):
+def matmul_reference(x, w, scale=None, fmt: str = "float", norm=None, eps: float = 1e-6):
     """Plain-JAX float32 reference, written independently of the kernel: fp8 bits through JAX's
-    own float8_e4m3fn type."""
+    own float8_e4m3fn type; the norm as Hugging Face's RMS norm, in float32."""
     if fmt == "fp8":
         w = lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
-    out = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    x = x.astype(jnp.float32)
+    if norm is not None:
+        x = norm.astype(jnp.float32) * x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    out = jnp.dot(x, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return out if scale is None else out * scale.astype(jnp.float32)[None, :]

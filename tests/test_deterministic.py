@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from tiny_models import save_tiny
+from tiny_models import TINY, save_tiny
 
 import jaxspec
 from jaxspec.errors import InputError
@@ -120,6 +120,18 @@ def test_a_row_gives_the_same_logits_alone_in_a_batch_and_in_a_verify_pass(tiny_
     np.testing.assert_array_equal(in_verify[:, 2:3], step)
     # and deterministic mode computes the same model: close to XLA's logits
     np.testing.assert_allclose(alone, _logits_after(model, prefix[:1], tokens[:1, :1], "xla"), atol=0.05)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama_bias", "mistral_swa"])
+def test_deterministic_mode_computes_the_same_model_in_float32(tmp_path, family):
+    """Its kernels (the norm fused into the projections, q/k norms, biases, a sliding window)
+    give the XLA path's logits to float32 rounding, for a prefill and a verify pass."""
+    kind, overrides = TINY[family]
+    model = jaxspec.load(save_tiny(tmp_path / family, kind, overrides), dtype="float32")
+    rng = np.random.default_rng(2)
+    prefix, tokens = rng.integers(3, 384, (2, 19)), rng.integers(3, 384, (2, 4))
+    got = _logits_after(model, prefix, tokens, "deterministic")
+    np.testing.assert_allclose(got, _logits_after(model, prefix, tokens, "xla"), atol=2e-4, rtol=1e-4)
 
 
 PROMPTS = [[5, 9, 14, 9, 14, 9, 30, 31, 9, 14], [7, 7, 8, 100, 7, 7, 8], [200, 201, 202, 203, 204, 205, 206, 207, 208],
