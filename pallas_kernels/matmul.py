@@ -7,7 +7,6 @@ Layout:
   w      [k, n]  weights: x's dtype, int8, or fp8 e4m3fn given as its uint8 bits (FORMATS);
                  or [n, k] with w_nk (each output channel contiguous, as 8-bit models keep them)
   scale  [n]     float32 per output channel (None: no scaling)
-  norm   [k]     optional RMS norm weight: out = rms_norm(x, norm) @ w, fused (below)
   -> out [m, n]  in x's dtype (or out_dtype: float32 for logits)
 
 Grid (m / (block_m * subs), n / block_n, split_k; rows padded): each program owns `subs` row
@@ -21,10 +20,9 @@ in the same order whatever m is and whatever the other rows hold: a row gives th
 alone, in a batch, or in a verify pass of K+1 rows (issue 25). At decode row counts the kernel
 is bound by reading w, which 8-bit weights halve (issue 26).
 
-The fused RMS norm (deterministic mode's q/k/v, gate/up and lm_head) saves the separate norm
-kernels: x is scaled by the norm weight as it is loaded, each row's sum of squares is taken
-from the same loads (per block, then in block order), and the row's 1/rms scales the output in
-the epilogue: rms_norm(x) @ w computed as (x * norm) @ w / rms(x).
+(An RMS norm fused into the loop, x scaled as loaded and its squares summed from the same loads,
+made the 8B projections 1.6-2.4x slower on the H200 at 1 and 64 rows: scripts/matmul_sweep.py
+--norm; deterministic mode runs pallas_kernels/rms_norm.py before them instead.)
 
 8-bit weights become x's dtype in registers. int8 converts exactly. fp8 e4m3fn is decoded from its
 bits without fp8 hardware or Triton's fp8 casts (absent for ROCm's e4m3fnuz in Pallas): its
@@ -106,13 +104,8 @@ def _dot(a, b, contract=((1,), (0,))):
                            preferred_element_type=jnp.float32)
 
 
-def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int,
-                   normed: bool, eps: float, k_total: int, split: bool):
-    refs = list(rest)
-    norm_ref = refs.pop(0) if normed else None
-    scale_ref = refs.pop(0) if scaled else None
-    o_ref = refs.pop(0)
-    squares_ref = refs.pop(0) if normed and split else None
+def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int):
+    scale_ref, o_ref = rest if scaled else (None, rest[0])
     kk = x_ref.shape[1]
     bm = x_ref.shape[0] // subs
     bn = o_ref.shape[-1]
@@ -125,29 +118,16 @@ def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_
         else:
             w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, dtype)
         out = []
-        for r, (acc, squares) in enumerate(carry):  # one dot shape per row block, whatever subs is
+        for r, acc in enumerate(carry):  # one dot shape per row block, whatever subs is
             x = x_ref[pl.ds(r * bm, bm), pl.ds(at, block_k)]
-            if normed:
-                x32 = x.astype(jnp.float32)
-                squares = squares + jnp.sum(x32 * x32, axis=1)
-                x = x * norm_ref[pl.ds(at, block_k)][None, :].astype(dtype)
-            acc = acc + (_dot(x, w, ((1,), (1,))) if w_nk else _dot(x, w))
-            out.append((acc, squares))
+            out.append(acc + (_dot(x, w, ((1,), (1,))) if w_nk else _dot(x, w)))
         return tuple(out)
 
-    zero = (jnp.zeros((bm, bn), jnp.float32), jnp.zeros((bm,), jnp.float32))
-    carry = lax.fori_loop(0, kk // block_k, step, (zero,) * subs)
-    for r, (acc, squares) in enumerate(carry):
-        if normed and not split:
-            acc = acc * lax.rsqrt(squares / k_total + eps)[:, None]
+    carry = lax.fori_loop(0, kk // block_k, step, (jnp.zeros((bm, bn), jnp.float32),) * subs)
+    for r, acc in enumerate(carry):
         if scaled:
             acc = acc * scale_ref[...][None, :]
-        rows = pl.ds(r * bm, bm)
-        o_ref[rows, :] = acc.astype(o_ref.dtype)  # float32 partials when split
-        if squares_ref is not None:
-            @pl.when(pl.program_id(1) == 0)  # every column tile computes the same sums: one writes them
-            def _():
-                squares_ref[rows] = squares
+        o_ref[pl.ds(r * bm, bm), :] = acc.astype(o_ref.dtype)  # float32 partials when split
 
 
 MAX_SUBS = 4  # row blocks per program: at 64 rows and more each weight tile is read once
@@ -162,17 +142,15 @@ def row_blocks(m: int, block_m: int = BLOCK_M) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_m", "block_k", "block_n", "split_k", "w_nk",
-                                             "eps", "subs", "num_warps", "num_stages", "interpret"))
-def matmul(x, w, scale=None, norm=None, *, fmt: str = "float", out_dtype=None, block_m: int = BLOCK_M,
+                                             "subs", "num_warps", "num_stages", "interpret"))
+def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int = BLOCK_M,
            block_k: int | None = None, block_n: int | None = None, split_k: int | None = None, w_nk: bool = False,
-           eps: float = 1e-6, subs: int | None = None, num_warps: int = 4, num_stages: int = 3,
-           interpret: bool = False):
+           subs: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [m, k] @ w [k, n] (times scale [n]) -> [m, n] in out_dtype (default x's); see the
     module docstring. Tiles: `tiling` (None: its defaults). split_k > 1: that many programs each
     sum a fixed k range, and their float32 partials are added in order afterwards. w_nk: w is
-    given as [n, k] (each output channel contiguous: faster for 8-bit weights). norm [k]: x is
-    RMS-normalised (epsilon eps) and scaled by norm first, fused. subs: row blocks per program
-    (default row_blocks(m)); it never changes a row's bits."""
+    given as [n, k] (each output channel contiguous: faster for 8-bit weights). subs: row blocks
+    per program (default row_blocks(m)); it never changes a row's bits."""
     if fmt not in FORMATS:
         raise ValueError(f"matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
@@ -182,8 +160,6 @@ def matmul(x, w, scale=None, norm=None, *, fmt: str = "float", out_dtype=None, b
     expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
     if w.dtype != expected:
         raise ValueError(f"matmul w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
-    if norm is not None and norm.shape != (k,):
-        raise ValueError(f"matmul norm must be [k={k}]; got {list(norm.shape)}")
     block_k, block_n, split_k = tiling(k, n, block_k, block_n, split_k)
     subs = subs or row_blocks(m, block_m)
     tile_m = block_m * subs
@@ -193,7 +169,6 @@ def matmul(x, w, scale=None, norm=None, *, fmt: str = "float", out_dtype=None, b
     s = jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     s = s * FP8_SHIFT if fmt == "fp8" else s
     scaled = split_k == 1 and (scale is not None or fmt == "fp8")
-    normed = norm is not None
     split = split_k > 1
     # The row blocks of one weight tile are neighbours in the launch order (grid axis 0), so a
     # batch past tile_m rows reads each tile from memory once and from L2 after.
@@ -201,51 +176,33 @@ def matmul(x, w, scale=None, norm=None, *, fmt: str = "float", out_dtype=None, b
     in_specs = [pl.BlockSpec((tile_m, kk), lambda i, j, p: (i, p)),
                 pl.BlockSpec((block_n, kk), lambda i, j, p: (j, p)) if w_nk else
                 pl.BlockSpec((kk, block_n), lambda i, j, p: (p, j))]
-    out_specs = [pl.BlockSpec((None, tile_m, block_n), lambda i, j, p: (p, i, j)) if split else
-                 pl.BlockSpec((tile_m, block_n), lambda i, j, p: (i, j))]
-    out_shape = [jax.ShapeDtypeStruct((split_k, rows, n) if split else (rows, n),
-                                      jnp.float32 if split else out_dtype or x.dtype)]
-    if normed:
-        args.append(norm)
-        in_specs.append(pl.BlockSpec((kk,), lambda i, j, p: (p,)))
     if scaled:
         args.append(s)
         in_specs.append(pl.BlockSpec((block_n,), lambda i, j, p: (j,)))
-    if normed and split:  # each split's sums of squares
-        out_specs.append(pl.BlockSpec((None, tile_m), lambda i, j, p: (p, i)))
-        out_shape.append(jax.ShapeDtypeStruct((split_k, rows), jnp.float32))
-    outs = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled, w_nk=w_nk, subs=subs,
-                          normed=normed, eps=float(eps), k_total=k, split=split),
+    out = pl.pallas_call(
+        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled, w_nk=w_nk, subs=subs),
         grid=(rows // tile_m, n // block_n, split_k),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=pl.BlockSpec((None, tile_m, block_n), lambda i, j, p: (p, i, j)) if split else
+        pl.BlockSpec((tile_m, block_n), lambda i, j, p: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((split_k, rows, n) if split else (rows, n),
+                                       jnp.float32 if split else out_dtype or x.dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"matmul_{fmt}",
     )(*args)
-    out = outs[0]
-    if split:  # partials added in a fixed order (an unrolled chain XLA keeps), then the norm and scales
+    if split:  # partials added in a fixed order (an unrolled chain XLA keeps), then the scales
         total = out[0]
         for p in range(1, split_k):
             total = total + out[p]
-        if normed:
-            squares = outs[1][0]
-            for p in range(1, split_k):
-                squares = squares + outs[1][p]
-            total = total * lax.rsqrt(squares / k + eps)[:, None]
         out = (total * s[None, :] if scale is not None or fmt == "fp8" else total).astype(out_dtype or x.dtype)
     return out if rows == m else out[:m]
 
 
-def matmul_reference(x, w, scale=None, fmt: str = "float", norm=None, eps: float = 1e-6):
+def matmul_reference(x, w, scale=None, fmt: str = "float"):
     """Plain-JAX float32 reference, written independently of the kernel: fp8 bits through JAX's
-    own float8_e4m3fn type; the norm as Hugging Face's RMS norm, in float32."""
+    own float8_e4m3fn type."""
     if fmt == "fp8":
         w = lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
-    x = x.astype(jnp.float32)
-    if norm is not None:
-        x = norm.astype(jnp.float32) * x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    out = jnp.dot(x, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    out = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return out if scale is None else out * scale.astype(jnp.float32)[None, :]

@@ -1,10 +1,14 @@
 """RMS norm with a fixed reduction order (Pallas, Triton lowering: runs on ROCm and CUDA).
 
 x [m, d] -> weight * (x * rsqrt(mean(x^2) + eps)) as Hugging Face computes it: statistics in
-float32, the normalised row cast back to x's dtype, then scaled. One program per row sums its
-squares in chunks of a fixed width, elementwise in order, then across the chunk: the order depends
-on d alone, so a row gives the same bits alone, in a batch, or in a verify pass (issue 25: XLA's
+float32, the normalised row cast back to x's dtype, then scaled. One program per row: a row of
+up to MAX_CHUNK elements (a power of two) is loaded once and summed across; a longer one in
+chunks of a fixed width, elementwise in order, then across the chunk. The order depends on d
+alone, so a row gives the same bits alone, in a batch, or in a verify pass (issue 25: XLA's
 reduction may tile a row differently as the number of rows changes).
+
+The first version always took 512-element chunks: 16 dependent steps a row made each norm of the
+8B shape cost microseconds, 0.5 ms a decode step on the H200 (65 norms).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-MAX_CHUNK = 512  # elements of a row per step (a power of two dividing d)
+MAX_CHUNK = 16384  # elements of a row per step (a power of two dividing d): the 8B's 4096 in one load
 
 
 def chunk_width(d: int) -> int:

@@ -70,11 +70,12 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", default=["int8", "fp8", "float"], choices=list(STORED))
     p.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--split-k", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--split-k", type=int, nargs="+", default=[1, 2, 4, 8], help="0: the kernel's default")
     p.add_argument("--layouts", nargs="+", default=["kn", "nk"], choices=["kn", "nk"])
     p.add_argument("--num-stages", type=int, nargs="+", default=[3])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4])
     p.add_argument("--block-m", type=int, nargs="+", default=[16])
+    p.add_argument("--subs", type=int, nargs="+", default=[0], help="row blocks per program (0: the kernel's default)")
     p.add_argument("--top", type=int, default=3, help="settings kept from the first format for the others")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=420.0)
@@ -95,7 +96,7 @@ def main(argv=None):
 
     shapes = projection_shapes(shape_config(args.shape))
     settings = list(itertools.product(args.layouts, args.block_n, args.block_k, args.split_k, args.num_stages,
-                                      args.num_warps, args.block_m))
+                                      args.num_warps, args.block_m, args.subs))
     for name in args.projections:
         k, n = shapes[name]
         best: list[tuple[float, tuple]] = []
@@ -118,14 +119,14 @@ def main(argv=None):
                 w_nk = weights(k, n, fmt, copies, nk=True) if "nk" in args.layouts else None
                 tried = settings if fi == 0 and rows == args.rows[0] else [t for _, t in sorted(best)[: args.top]]
                 ranked = []
-                for layout, bn, bk, sk, stages, warps, bm in tried:
+                for layout, bn, bk, sk, stages, warps, bm, subs in tried:
                     if time.perf_counter() - start > args.budget_s:
                         print("# budget spent", flush=True)
                         return
-                    if k % sk or (k // sk) % min(bk, 16) or n % bn:
+                    if sk and (k % sk or (k // sk) % min(bk, 16)) or n % bn:
                         continue
-                    kw = dict(fmt=fmt, block_m=bm, block_k=bk, block_n=bn, split_k=sk, w_nk=layout == "nk",
-                              num_stages=stages, num_warps=warps, interpret=args.interpret)
+                    kw = dict(fmt=fmt, block_m=bm, block_k=bk, block_n=bn, split_k=sk or None, w_nk=layout == "nk",
+                              num_stages=stages, num_warps=warps, interpret=args.interpret, subs=subs or None)
                     try:
                         s = timed(lambda x, w, sc: matmul(x, w, sc, **kw), w_nk if layout == "nk" else w_kn, x,
                                   scale, args.repeats)
@@ -133,9 +134,9 @@ def main(argv=None):
                         print(f"# {name} {fmt} {layout} bn={bn} bk={bk} sk={sk}: {type(e).__name__}: {str(e)[:160]}")
                         continue
                     record(projection=name, k=k, n=n, fmt=fmt, rows=rows, kernel="pallas", layout=layout,
-                           block_n=bn, block_k=bk, split_k=sk, stages=stages, warps=warps, block_m=bm, s=s,
-                           bytes=nbytes)
-                    ranked.append((s, (layout, bn, bk, sk, stages, warps, bm)))
+                           block_n=bn, block_k=bk, split_k=sk, stages=stages, warps=warps, block_m=bm, subs=subs,
+                           s=s, bytes=nbytes)
+                    ranked.append((s, (layout, bn, bk, sk, stages, warps, bm, subs)))
                 if fi == 0 and rows == args.rows[0]:
                     best = ranked
                 ranked.sort()

@@ -7,7 +7,6 @@ head, k head dim, f ffn, v vocab.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -40,29 +39,6 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float, deterministic: boo
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowNorm:
-    """Deterministic mode's RMS norm of x, left for the projection that reads it to fuse into its
-    matmul (pallas_kernels.matmul's norm): no norm kernel of its own, one order for its sums."""
-
-    x: jnp.ndarray
-    weight: jnp.ndarray
-    eps: float
-
-    @property
-    def shape(self):
-        return self.x.shape
-
-    @property
-    def dtype(self):
-        return self.x.dtype
-
-
-def _normed(x, weight, eps: float, deterministic: bool):
-    """rms_norm(x) for the projections that read it: fused into them in deterministic mode."""
-    return RowNorm(x, weight, eps) if deterministic else rms_norm(x, weight, eps)
 
 
 def _add(x: jnp.ndarray, bias: jnp.ndarray | None) -> jnp.ndarray:
@@ -116,7 +92,6 @@ def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False):
     accelerators for up to KERNEL_MAX_ROWS rows; XLA on the converted values elsewhere (the
     CPU, and prefills, which are compute-bound); the kernel for every row count when
     deterministic (on the CPU in interpret mode)."""
-    x, norm = _unpack(x)  # a RowNorm only in deterministic mode, which takes the kernel
     out_axes = q.scale.shape
     n = math.prod(out_axes)
     k = q.values.size // n
@@ -124,26 +99,17 @@ def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False):
     w = q.values.reshape(n, k)  # channels first (Quantized)
     out_dtype = out_dtype or x.dtype
     if deterministic or (jax.default_backend() != "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS):
-        out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True, interpret=_interpret(),
-                     **norm)
+        out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True, interpret=_interpret())
     else:
         w = stored_values(q.replace(values=w)).astype(x.dtype)
         out = (_einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
     return out.reshape(*x.shape[: x.ndim - q.contract], *out_axes)
 
 
-def _unpack(x):
-    """(activations, the matmul's keywords for the norm to fuse: none without one)."""
-    if isinstance(x, RowNorm):
-        return x.x, {"norm": x.weight.astype(x.x.dtype), "eps": x.eps}
-    return x, {}
-
-
 def _kernel_project(spec: str, x, w, out_dtype=None):
     """The einsum `spec` of a projection ("bt<contracted>,<w's axes>-><out>") through the matmul
     kernel, whose sums have one order for any number of rows: w's contracted axes lead it
     ([k, n]) or trail it ([n, k]: a tied embedding)."""
-    x, norm = _unpack(x)
     xs, ws = spec.split("->")[0].split(",")
     contracted = xs[2:]
     nc = len(contracted)
@@ -151,7 +117,7 @@ def _kernel_project(spec: str, x, w, out_dtype=None):
     k = math.prod(x.shape[2:])
     out_axes = w.shape[: w.ndim - nc] if w_nk else w.shape[nc:]
     out = matmul(x.reshape(-1, k), w.reshape(-1, k) if w_nk else w.reshape(k, -1), out_dtype=out_dtype, w_nk=w_nk,
-                 interpret=_interpret(), **norm)
+                 interpret=_interpret())
     return out.reshape(*x.shape[:2], *out_axes)
 
 
@@ -240,7 +206,7 @@ def _total(axis, deterministic: bool):
 
 def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis,
                lengths, w: LayerWeights, h, cache_k, cache_v, layer=None):
-    """Self-attention of normed inputs h [b, t, d_in] (or a RowNorm) -> (its output projection [b, t, d], the
+    """Self-attention of normed inputs h [b, t, d_in] -> (its output projection [b, t, d], the
     caches with the new keys and values written). impl: "xla", "pallas" (the tree-attention
     kernel) or "deterministic" (ATTENTION_IMPLS). See _layer for the other arguments."""
     det = impl == "deterministic"
@@ -291,11 +257,11 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad
     pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
     ffn columns (c is then the shard's config): the o and down products are summed over it."""
     det = impl == "deterministic"
-    h = _normed(x, w.attn_norm, c.rms_norm_eps, det)
+    h = rms_norm(x, w.attn_norm, c.rms_norm_eps, det)
     attn, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, impl, pad_one_row, axis, lengths,
                                         w, h, cache_k, cache_v, layer)
     x = x + attn
-    x = x + gated_mlp(w, _normed(x, w.mlp_norm, c.rms_norm_eps, det), pad_one_row, axis, det)
+    x = x + gated_mlp(w, rms_norm(x, w.mlp_norm, c.rms_norm_eps, det), pad_one_row, axis, det)
     return x, cache_k, cache_v
 
 
@@ -404,7 +370,7 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
     if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
         at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
         x = jnp.take_along_axis(x, at[:, :, None], axis=1)
-    x = _normed(x, weights.final_norm, config.rms_norm_eps, det)
+    x = rms_norm(x, weights.final_norm, config.rms_norm_eps, det)
     if weights.lm_head is None:
         logits = _project("btd,vd->btv", x, weights.embed, unrolled, det, preferred_element_type=jnp.float32)
     else:
