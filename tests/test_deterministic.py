@@ -13,6 +13,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from tiny_models import TINY, save_tiny
 
 import jaxspec
+import jaxspec.model.layout
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import JobSettings
 from jaxspec.model.cache import KVCache
@@ -192,3 +193,19 @@ def test_kernels_lower_ahead_of_time(platform, device_kind, s):
         assert "__gpu$xla.gpu.triton" in text and all(n in text for n in names), (fn, platform)
         if fn is causal_attention and s > 128:
             assert "causal_attention_merge" in text
+
+
+def test_a_split_target_is_deterministic_too(tmp_path):
+    """Split two ways (the accelerators' layout: layers unrolled, gate/up fused), the o and down
+    products' parts are added in shard order: a prompt's tokens alone equal its tokens in a
+    batch and speculatively."""
+    path = save_tiny(tmp_path / "gqa", "llama", dict(initializer_range=0.02), seed=5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jaxspec.model.layout, "scan_layers", lambda: False)
+        mp.setattr(jaxspec.model.layout, "fuse_mlp", lambda: True)
+        split = jaxspec.load(path, dtype="bfloat16", tensor_parallel=2)
+        assert isinstance(split.weights.layers, tuple) and split.mesh is not None
+        det = dict(max_new_tokens=16, deterministic=True, warn_below_acceptance=0.0)
+        batch = _tokens(jaxspec.generate(PROMPTS[:4], split, **det))
+        assert _tokens(jaxspec.generate(PROMPTS[1:2], split, **det)) == batch[1:2]
+        assert _tokens(jaxspec.generate(PROMPTS[:4], split, "ngram", num_draft_tokens=3, **det)) == batch
