@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Where deterministic mode's extra time goes: one decode step (a jitted loop of forward passes
+of one token per row over a --prefix-token cache) in the default mode, in deterministic mode,
+and in deterministic mode with one of its parts put back on XLA (its norms, or its
+projections); the differences place the cost. Those variants are not deterministic: they only
+measure.
+
+    python3 scripts/deterministic_cost.py [--shape llama3-8b] [--batch 1] [--prefix 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+
+import jaxspec.model.forward as fwd
+import pallas_kernels.rms_norm as norm_kernel
+from jaxspec.bench.scale import forward_ms
+from jaxspec.bench.shapes import random_model
+
+
+def _xla_norm(x, weight, eps, interpret=False):
+    return fwd.rms_norm(x, weight, eps)  # the default mode's (deterministic=False)
+
+
+def _xla_projection(spec, x, w, out_dtype=None):
+    return fwd._einsum(spec, x, w, **({"preferred_element_type": out_dtype} if out_dtype else {}))
+
+
+VARIANTS = {
+    "default": ("pallas", {}),
+    "deterministic": ("deterministic", {}),
+    "deterministic, norms on XLA": ("deterministic", {(norm_kernel, "rms_norm"): _xla_norm}),
+    "deterministic, projections on XLA": ("deterministic", {(fwd, "_kernel_project"): _xla_projection}),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--prefix", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    model = random_model(args.shape)
+    for batch in args.batch:
+        for name, (attention, patches) in VARIANTS.items():
+            saved = {key: getattr(*key) for key in patches}
+            for (module, attr), value in patches.items():
+                setattr(module, attr, value)
+            try:
+                jax.clear_caches()  # the loop is traced afresh with the parts patched
+                ms = forward_ms(model, batch, args.prefix, np.ones((1, 1), bool), attention, steps=32,
+                                repeats=args.repeats)
+            finally:
+                for (module, attr), value in saved.items():
+                    setattr(module, attr, value)
+            print(f"| {args.shape} | B={batch} | {name} | {ms:.3f} ms |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
