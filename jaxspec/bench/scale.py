@@ -155,13 +155,14 @@ def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return rng.integers(1, vocab, (batch, length)).tolist()
 
 
-def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int) -> float:
-    """Seconds of the prefill that generate() runs for these prompts (same shapes)."""
+def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int, attention: str = "xla") -> float:
+    """Seconds of the prefill that generate() runs for these prompts (same shapes; attention: the
+    call's, since deterministic mode prefills with its own kernels)."""
     reqs = build_requests(prompts, model, max_new, 0.0, 0, 1.0, 0)
     prompt_len = bucket(max(len(p) for p in prompts))
     batch = make_batch(reqs, bucket(len(prompts), 1), prompt_len, model.config.pad_token_id)
     cap = cache_capacity(prompt_len, bucket(max_new), slack)
-    f = jax.jit(functools.partial(prefill, config=model.config, capacity=cap, dtype=model.dtype))
+    f = jax.jit(functools.partial(prefill, config=model.config, capacity=cap, dtype=model.dtype, attention=attention))
     return best_seconds(lambda: jax.block_until_ready(f(model.weights, batch=batch)), repeats)
 
 
@@ -183,7 +184,7 @@ def _generate(prompts, target, draft, new_tokens, repeats, attention, **kw):
 def plain_row(model, batch: int, prompt_len: int, new_tokens: int, repeats: int, attention: str, bw: float, seed: int):
     prompts = _prompts(model.config.vocab_size, batch, prompt_len, seed)
     compile_s, outs = _generate(prompts, model, None, new_tokens, repeats, attention)
-    pre = _prefill_s(model, prompts, new_tokens, 0, repeats)
+    pre = _prefill_s(model, prompts, new_tokens, 0, repeats, attention)
     steps = new_tokens - 1  # the prefill made the first token
     step_ms = 1000 * (outs.metrics.decode_s - pre) / steps
     floor_bytes = step_weight_bytes(model) + _kv_bytes(model, batch, prompt_len + new_tokens / 2)
@@ -203,7 +204,7 @@ def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, co
     kw = {"tree": tree} if tree else {"num_draft_tokens": k}
     compile_s, outs = _generate(prompts, target, draft, new_tokens, repeats, attention, **kw)
     slack = len(tree_parents) + 1
-    pre = _prefill_s(target, prompts, new_tokens, slack, repeats)
+    pre = _prefill_s(target, prompts, new_tokens, slack, repeats, attention)
     if not ngram:
         pre += _prefill_s(draft, prompts, new_tokens, slack, repeats)
     rounds = sum(o.stats.target_steps - 1 for o in outs)
@@ -254,7 +255,7 @@ def eagle_rows(target, args, prompt_len: int, new_tokens: int, repeats: int, att
         key = ("target", f"t={t}") if is_chain else ("target", label.removeprefix("eagle "))
         verify = costs.get(key) or forward_ms(target, 1, P, ancestor_mask(parents), attention, steps=16, repeats=repeats)
         compile_s, outs = _generate(prompts, target, head, new_tokens, repeats, attention, **kw)
-        pre = _prefill_s(target, prompts, new_tokens, t + 1, repeats)
+        pre = _prefill_s(target, prompts, new_tokens, t + 1, repeats, attention)
         pre += head_ms(head, embed, 0, bucket(P), True, 1, repeats) / 1000  # the head's prompt pass
         rounds = sum(o.stats.target_steps - 1 for o in outs)
         round_ms = 1000 * (outs.metrics.decode_s - pre) / rounds
