@@ -5,6 +5,10 @@ scheduler, the refusals, and ahead-of-time lowering for ROCm (gfx942) and CUDA (
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +18,8 @@ from tiny_models import TINY, save_tiny
 
 import jaxspec
 import jaxspec.model.layout
+from jaxspec.cli import build_parser, job_settings
+from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import JobSettings
 from jaxspec.model.cache import KVCache
@@ -209,3 +215,40 @@ def test_a_split_target_is_deterministic_too(tmp_path):
         batch = _tokens(jaxspec.generate(PROMPTS[:4], split, **det))
         assert _tokens(jaxspec.generate(PROMPTS[1:2], split, **det)) == batch[1:2]
         assert _tokens(jaxspec.generate(PROMPTS[:4], split, "ngram", num_draft_tokens=3, **det)) == batch
+
+
+def test_the_records_bench_counts_identical_records_in_both_modes(tmp_path):
+    """scripts/bench_deterministic.py at toy size: random tiny target and draft, every run of
+    deterministic mode identical to its reference, and its rows written."""
+    path = Path(__file__).parents[1] / "scripts" / "bench_deterministic.py"
+    spec = importlib.util.spec_from_file_location("bench_deterministic", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "rows.json"
+    rows = script.main(["--shape", "tiny", "--draft-shape", "tiny", "--records", "3", "--batch", "2", "--alone", "1",
+                        "--max-budget", "6", "--k", "2", "--ngram-k", "2", "--modes", "deterministic",
+                        "--json", str(out)])
+    assert [r["run"] for r in rows] == ["plain, static", "draft model K=2, static", "n-gram K=2, static",
+                                        "plain, continuous refill 1", "plain, batch 1 (1 records)"]
+    assert all(r["identical"] == r["records"] for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
+
+
+@pytest.mark.timing
+def test_the_scale_bench_times_deterministic_mode_and_refuses_its_trees(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shape", "tiny", "--no-hf", "--prompt-lens", "32", "--new-tokens", "8", "--batch-sizes", "1",
+            "--repeats", "1", "--deterministic"]
+    assert cli_main([*args, "--parts", "plain", "--json", str(out)]) == 0
+    (plain,) = json.loads(out.read_text())["rows"]
+    assert plain["part"] == "plain" and plain["ms_per_step"] > 0
+    assert cli_main([*args, "--parts", "forward", "--verify-sizes", "1", "--trees", "binary-3"]) == 2
+    assert "chains only" in capsys.readouterr().err
+
+
+def test_the_command_line_passes_deterministic_to_generate_and_batch_jobs():
+    parser = build_parser()
+    assert job_settings(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--deterministic"])).deterministic
+    assert not job_settings(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).deterministic
+    assert parser.parse_args(["generate", "x", "--deterministic"]).deterministic
+    assert parser.parse_args(["bench", "--deterministic"]).deterministic
