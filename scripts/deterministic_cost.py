@@ -2,8 +2,8 @@
 """Where deterministic mode's extra time goes: one decode step (a jitted loop of forward passes
 of one token per row over a --prefix-token cache) in the default mode, in deterministic mode,
 and in deterministic mode with one of its parts put back on XLA (its norms, or its
-projections); the differences place the cost. Those variants are not deterministic: they only
-measure.
+projections, or its LM head), or with the matmul kernel's k splits off; the differences place
+the cost. The XLA variants are not deterministic: they only measure.
 
     python3 scripts/deterministic_cost.py [--shape llama3-8b] [--batch 1] [--prefix 128]
 """
@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 import jaxspec.model.forward as fwd
+import pallas_kernels.matmul as matmul_kernel
 import pallas_kernels.rms_norm as norm_kernel
 from jaxspec.bench.scale import forward_ms
 from jaxspec.bench.shapes import random_model
@@ -29,11 +30,23 @@ def _xla_projection(spec, x, w, out_dtype=None):
     return fwd._einsum(spec, x, w, **({"preferred_element_type": out_dtype} if out_dtype else {}))
 
 
+_KERNEL_PROJECT = fwd._kernel_project
+
+
+def _xla_head(spec, x, w, out_dtype=None):
+    """The LM head (its output is the vocabulary) on XLA, the other projections through the kernel."""
+    head = spec.endswith("->btv")
+    return (_xla_projection if head else _KERNEL_PROJECT)(spec, x, w, out_dtype)
+
+
 VARIANTS = {
     "default": ("pallas", {}),
     "deterministic": ("deterministic", {}),
     "deterministic, norms on XLA": ("deterministic", {(norm_kernel, "rms_norm"): _xla_norm}),
     "deterministic, projections on XLA": ("deterministic", {(fwd, "_kernel_project"): _xla_projection}),
+    "deterministic, LM head on XLA": ("deterministic", {(fwd, "_kernel_project"): _xla_head}),
+    # still deterministic: tiles without k splits are fixed by (k, n) too, and need no partial sums
+    "deterministic, no k splits": ("deterministic", {(matmul_kernel, "MAX_SPLIT_K"): 1}),
 }
 
 
