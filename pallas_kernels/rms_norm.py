@@ -7,8 +7,8 @@ chunks of a fixed width, elementwise in order, then across the chunk. The order 
 alone, so a row gives the same bits alone, in a batch, or in a verify pass (issue 25: XLA's
 reduction may tile a row differently as the number of rows changes).
 
-The first version always took 512-element chunks: 16 dependent steps a row made each norm of the
-8B shape cost microseconds, 0.5 ms a decode step on the H200 (65 norms).
+The first version always took 512-element chunks (16 dependent steps a row at the 8B shape):
+the 8B decode step in deterministic mode went from 4.83 to 4.66 ms on the H200 with one load.
 """
 
 from __future__ import annotations
