@@ -21,8 +21,9 @@ alone, in a batch, or in a verify pass of K+1 rows (issue 25). At decode row cou
 is bound by reading w, which 8-bit weights halve (issue 26).
 
 (An RMS norm fused into the loop, x scaled as loaded and its squares summed from the same loads,
-made the 8B projections 1.6-2.4x slower on the H200 at 1 and 64 rows: scripts/matmul_sweep.py
---norm; deterministic mode runs pallas_kernels/rms_norm.py before them instead.)
+made the 8B projections 1.6-2.4x slower on the H200 at 1 and 64 rows: the norm=1 rows of
+docs/bench/h200-matmul-sweep-norm-subs.jsonl; deterministic mode runs pallas_kernels/rms_norm.py
+before them instead.)
 
 8-bit weights become x's dtype in registers. int8 converts exactly. fp8 e4m3fn is decoded from its
 bits without fp8 hardware or Triton's fp8 casts (absent for ROCm's e4m3fnuz in Pallas): its
@@ -109,10 +110,10 @@ def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_
     kk = x_ref.shape[1]
     bm = x_ref.shape[0] // subs
     bn = o_ref.shape[-1]
+    dtype = x_ref.dtype
 
     def step(i, carry):
         at = pl.multiple_of(i * block_k, block_k)
-        dtype = x_ref.dtype
         if w_nk:
             w = _weights_as(w_ref[:, pl.ds(at, block_k)], fmt, dtype)
         else:

@@ -23,13 +23,12 @@ from pathlib import Path
 
 from jaxspec.bench.common import machine
 from jaxspec.bench.humaneval import load_prompts
+from jaxspec.bench.schedulers import lognormal_requests
 from jaxspec.bench.shapes import random_model
-from jaxspec.bench.workloads import lognormal_budgets
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
 from jaxspec.model.loading import load
 from jaxspec.serving.generate import resolve_attention
-from jaxspec.serving.requests import Request, SamplingSettings
 from jaxspec.serving.runner import run
 
 
@@ -60,8 +59,8 @@ def main(argv=None) -> list[dict]:
         target, draft = tokenizer_model, load(embedded_model(DEFAULT_DRAFT), dtype=args.dtype)
     vocab = target.config.vocab_size  # a small random shape's vocabulary may be smaller than the tokenizer's
     prompts = [[t % vocab for t in tokenizer_model.tokenizer.encode(p)] for p in load_prompts(limit=args.records)]
-    budgets = lognormal_budgets(len(prompts), cap=args.max_budget)
-    requests = [Request(tuple(p), b, SamplingSettings(), 0) for p, b in zip(prompts, budgets)]
+    requests = lognormal_requests(prompts, cap=args.max_budget)
+    budgets = [r.max_new_tokens for r in requests]
     alone = list(range(min(args.alone, len(requests))))
     runs = [("plain, static", DecodeMethod(), {}, None),
             (f"draft model K={args.k}, static", DecodeMethod("draft", args.k), {}, None),

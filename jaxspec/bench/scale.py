@@ -45,11 +45,11 @@ from jaxspec.decoding.state import prefill
 from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import NAMED_TREES, ancestor_mask, chain
 from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_TARGET, embedded_model
+from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import forward
 from jaxspec.model.loading import load, replicated_on
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
-from jaxspec.errors import InputError
 from jaxspec.serving.generate import build_requests, generate, resolve_attention
 
 PARTS = ("hf", "plain", "forward", "spec", "prefill", "acceptance", "continuous", "eagle")

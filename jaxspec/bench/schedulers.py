@@ -37,9 +37,10 @@ def lengths_cases(text: str) -> list[str]:
     return cases
 
 
-def lognormal_requests(prompts: list[list[int]], seed: int = 0):
-    """One greedy Request per prompt, its budget drawn from the fixed-seed lognormal mix."""
-    return [Request(tuple(p), b, SamplingSettings(), 0) for p, b in zip(prompts, lognormal_budgets(len(prompts), seed=seed))]
+def lognormal_requests(prompts: list[list[int]], seed: int = 0, cap: int = 1024):
+    """One greedy Request per prompt, its budget drawn from the fixed-seed lognormal mix (at most cap)."""
+    budgets = lognormal_budgets(len(prompts), cap=cap, seed=seed)
+    return [Request(tuple(p), b, SamplingSettings(), 0) for p, b in zip(prompts, budgets)]
 
 
 def _seen_static(requests) -> list[list[int]]:

@@ -65,15 +65,11 @@ class Trial:
     """One candidate method: its outputs (first pass) and best time per chunk of the sample."""
 
     method: DecodeMethod
-    attention: str = "xla"  # as the job itself runs (resolve_attention)
     outputs: list[Completions] = dataclasses.field(default_factory=list)  # one per chunk
     best_s: list[float] = dataclasses.field(default_factory=list)  # least decode time per chunk
     passes: int = 0
     compile_s: float = 0.0
     mismatched: int = 0  # greedy sample records whose output differs from plain decoding's
-
-    def run(self, target: Model, draft: Model | None, chunk: list[Request], batch_size: int) -> Completions:
-        return run(target, chunk, batch_size, self.method, draft, attention=self.attention)
 
     @property
     def completions(self) -> list:
@@ -249,13 +245,13 @@ def run_canary(
             raise InputError(f"the canary's candidate {m.name!r} needs a "
                              f"{'draft model' if m.kind == 'draft' else 'EAGLE-3 head'} among the drafts")
     attention = resolve_attention("auto", deterministic)  # the fused kernel on GPUs, as the job runs
-    trials = [Trial(m, attention) for m in methods]
+    trials = [Trial(m) for m in methods]
     active = list(trials)
     for p in range(repeats):
         spent = {id(t): [0, 0.0, 0.0] for t in active}
         for ci, chunk in enumerate(chunks):
             for t in active:
-                outs = t.run(target, drafts.get(t.method.kind), chunk, batch_size)
+                outs = run(target, chunk, batch_size, t.method, drafts.get(t.method.kind), attention=attention)
                 t.record(ci, outs)
                 if p == 0 and t.method.speculative:
                     t.mismatched += _mismatches(outs, trials[0].outputs[ci], chunk)
