@@ -9,7 +9,7 @@ Layout:
   scale  [n]     float32 per output channel (None: no scaling)
   -> out [m, n]  in x's dtype (or out_dtype: float32 for logits)
 
-Grid (m / (block_m * subs), n / block_n, split_k; rows padded): each program owns `subs` row
+Grid (m / (block_m * subs), n / block_n, split_k; the last rows masked): each program owns `subs` row
 blocks of block_m rows beside one block_n-wide column tile and reduces over its k / split_k
 share in blocks of block_k, in order, one float32 accumulator per row block: every weight tile
 it loads serves all its rows (batches read each weight once), while every dot stays
@@ -63,24 +63,24 @@ def _largest_pow2_divisor(size: int, at_most: int, name: str) -> int:
 
 MIN_PROGRAMS = 384  # at decode rows: about three per multiprocessor keep the weight reads flowing
 MAX_SPLIT_K = 8
+DECODE_BLOCK_N = 64  # the column tile the k splits are counted for (the decode rows' best)
 
 
-def tiling(k: int, n: int, block_k: int | None = None, block_n: int | None = None,
-           split_k: int | None = None) -> tuple[int, int, int]:
-    """(block_k, block_n, split_k) for a [k, n] weight: the largest powers of two up to the given
-    tiles (default 128 and 64) that divide k / split_k and n, and (default) the fewest k splits,
-    up to MAX_SPLIT_K, that give MIN_PROGRAMS output tiles of one row block. All depend on the
-    weight's shape only (never on the rows), which keeps the order of every sum fixed. The
-    defaults were the best at decode rows for the 8B and 1B shapes' projections in 8 bits
-    (H200, scripts/matmul_sweep.py: within 3 % of each shape's best of 96 settings)."""
-    block_n = _largest_pow2_divisor(n, block_n or 64, "n")
+def tiling(k: int, n: int, block_k: int | None = None, split_k: int | None = None) -> tuple[int, int]:
+    """(block_k, split_k) for a [k, n] weight, the two settings that fix the order of every sum:
+    the largest power of two up to block_k (default 128) that divides k / split_k, and (default)
+    the fewest k splits, up to MAX_SPLIT_K, that give MIN_PROGRAMS programs of DECODE_BLOCK_N
+    columns. Both depend on the weight's shape only, never on the rows. The defaults were the best
+    at decode rows for the 8B and 1B shapes' projections in 8 bits (H200, scripts/matmul_sweep.py:
+    within 3 % of each shape's best of 96 settings)."""
     if split_k is None:
+        tiles = n // _largest_pow2_divisor(n, DECODE_BLOCK_N, "n")
         split_k = 1
-        while split_k < MAX_SPLIT_K and n // block_n * split_k < MIN_PROGRAMS and k % (2 * split_k * 16) == 0:
+        while split_k < MAX_SPLIT_K and tiles * split_k < MIN_PROGRAMS and k % (2 * split_k * 16) == 0:
             split_k *= 2
     if split_k < 1 or k % split_k:
         raise ValueError(f"matmul split_k must divide k={k}; got {split_k}")
-    return _largest_pow2_divisor(k // split_k, block_k or 128, "k"), block_n, split_k
+    return _largest_pow2_divisor(k // split_k, block_k or 128, "k"), split_k
 
 
 def _fp8_bits_to_f16(bits):
@@ -105,12 +105,14 @@ def _dot(a, b, contract=((1,), (0,))):
                            preferred_element_type=jnp.float32)
 
 
-def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int):
+def _matmul_kernel(x_ref, w_ref, *rest, m: int, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int):
     scale_ref, o_ref = rest if scaled else (None, rest[0])
     kk = x_ref.shape[1]
     bm = x_ref.shape[0] // subs
-    bn = o_ref.shape[-1]
     dtype = x_ref.dtype
+    # Rows past m (the last program's) are masked, not padded: no pad before, no slice after.
+    first = pl.program_id(0) * bm * subs
+    real = [first + r * bm + jnp.arange(bm) < m for r in range(subs)]
 
     def step(i, carry):
         at = pl.multiple_of(i * block_k, block_k)
@@ -120,18 +122,24 @@ def _matmul_kernel(x_ref, w_ref, *rest, block_k: int, fmt: str, scaled: bool, w_
             w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, dtype)
         out = []
         for r, acc in enumerate(carry):  # one dot shape per row block, whatever subs is
-            x = x_ref[pl.ds(r * bm, bm), pl.ds(at, block_k)]
+            x = plt.load(x_ref.at[pl.ds(r * bm, bm), pl.ds(at, block_k)], mask=real[r][:, None], other=0)
             out.append(acc + (_dot(x, w, ((1,), (1,))) if w_nk else _dot(x, w)))
         return tuple(out)
 
-    carry = lax.fori_loop(0, kk // block_k, step, (jnp.zeros((bm, bn), jnp.float32),) * subs)
+    carry = lax.fori_loop(0, kk // block_k, step, (jnp.zeros((bm, o_ref.shape[-1]), jnp.float32),) * subs)
     for r, acc in enumerate(carry):
         if scaled:
             acc = acc * scale_ref[...][None, :]
-        o_ref[pl.ds(r * bm, bm), :] = acc.astype(o_ref.dtype)  # float32 partials when split
+        # float32 partials when split
+        plt.store(o_ref.at[pl.ds(r * bm, bm), :], acc.astype(o_ref.dtype), mask=real[r][:, None])
 
 
 MAX_SUBS = 4  # row blocks per program: at 64 rows and more each weight tile is read once
+# The most rows per dot that give a row the bits of a 16-row dot, per platform: on NVIDIA GPUs
+# 16-, 32- and 64-row dots (mma.sync, and Hopper's wgmma from 64) agreed bit for bit on the H200
+# at every 8B projection (scripts/matmul_bits.py; docs/deterministic.md). Elsewhere 16 only:
+# MI300's MFMA instruction shape follows the tile, and interpret mode runs the CPU's dot.
+DOT_ROWS = {"cuda": 64}
 
 
 def row_blocks(m: int, block_m: int = BLOCK_M) -> int:
@@ -142,16 +150,26 @@ def row_blocks(m: int, block_m: int = BLOCK_M) -> int:
     return subs
 
 
+def rows_per_dot(m: int, most: int = BLOCK_M) -> int:
+    """Rows per dot for m rows: a power of two from 16, up to `most` (DOT_ROWS)."""
+    block_m = BLOCK_M
+    while block_m < most and block_m < m:
+        block_m *= 2
+    return block_m
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_m", "block_k", "block_n", "split_k", "w_nk",
                                              "subs", "num_warps", "num_stages", "interpret"))
-def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int = BLOCK_M,
+def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int | None = None,
            block_k: int | None = None, block_n: int | None = None, split_k: int | None = None, w_nk: bool = False,
            subs: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [m, k] @ w [k, n] (times scale [n]) -> [m, n] in out_dtype (default x's); see the
-    module docstring. Tiles: `tiling` (None: its defaults). split_k > 1: that many programs each
-    sum a fixed k range, and their float32 partials are added in order afterwards. w_nk: w is
-    given as [n, k] (each output channel contiguous: faster for 8-bit weights). subs: row blocks
-    per program (default row_blocks(m)); it never changes a row's bits."""
+    module docstring. block_k, split_k: `tiling` (None: its defaults). split_k > 1: that many
+    programs each sum a fixed k range, and their float32 partials are added in order afterwards.
+    w_nk: w is given as [n, k] (each output channel contiguous: faster for 8-bit weights).
+    block_m (rows per dot), subs (row blocks per program): None picks `row_tiles` for the
+    platform the call is lowered for (rows_per_dot, DOT_ROWS). block_m, subs, block_n, num_warps and num_stages
+    change no bit (measured: scripts/matmul_bits.py)."""
     if fmt not in FORMATS:
         raise ValueError(f"matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
@@ -161,33 +179,49 @@ def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int
     expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
     if w.dtype != expected:
         raise ValueError(f"matmul w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
-    block_k, block_n, split_k = tiling(k, n, block_k, block_n, split_k)
-    subs = subs or row_blocks(m, block_m)
-    tile_m = block_m * subs
-    rows = -(-m // tile_m) * tile_m
-    xp = x if rows == m else jnp.pad(x, ((0, rows - m), (0, 0)))
-    kk = k // split_k  # each program's share of the sum
+    block_k, split_k = tiling(k, n, block_k, split_k)
+    block_n = _largest_pow2_divisor(n, block_n or DECODE_BLOCK_N, "n")
     s = jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     s = s * FP8_SHIFT if fmt == "fp8" else s
-    scaled = split_k == 1 and (scale is not None or fmt == "fp8")
+    scaled = scale is not None or fmt == "fp8"
+    launch = functools.partial(_launch, fmt=fmt, out_dtype=out_dtype or x.dtype, block_k=block_k, block_n=block_n,
+                               split_k=split_k, w_nk=w_nk, scaled=scaled, num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+
+    def tiled(most_rows_per_dot):
+        bm = block_m or rows_per_dot(m, most_rows_per_dot)
+        return functools.partial(launch, block_m=bm, subs=subs or row_blocks(m, bm))
+
+    if block_m or interpret:
+        return tiled(BLOCK_M)(x, w, s)
+    return lax.platform_dependent(x, w, s, default=tiled(BLOCK_M),
+                                  **{platform: tiled(rows) for platform, rows in DOT_ROWS.items()})
+
+
+def _launch(x, w, s, *, fmt: str, out_dtype, block_m: int, subs: int, block_k: int, block_n: int, split_k: int,
+            w_nk: bool, scaled: bool, num_warps: int, num_stages: int, interpret: bool):
+    m, k = x.shape
+    n = s.shape[0]
+    tile_m = block_m * subs
+    kk = k // split_k  # each program's share of the sum
     split = split_k > 1
     # The row blocks of one weight tile are neighbours in the launch order (grid axis 0), so a
     # batch past tile_m rows reads each tile from memory once and from L2 after.
-    args = [xp, w]
+    args = [x, w]
     in_specs = [pl.BlockSpec((tile_m, kk), lambda i, j, p: (i, p)),
                 pl.BlockSpec((block_n, kk), lambda i, j, p: (j, p)) if w_nk else
                 pl.BlockSpec((kk, block_n), lambda i, j, p: (p, j))]
-    if scaled:
+    if scaled and not split:
         args.append(s)
         in_specs.append(pl.BlockSpec((block_n,), lambda i, j, p: (j,)))
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=block_k, fmt=fmt, scaled=scaled, w_nk=w_nk, subs=subs),
-        grid=(rows // tile_m, n // block_n, split_k),
+        functools.partial(_matmul_kernel, m=m, block_k=block_k, fmt=fmt, scaled=scaled and not split, w_nk=w_nk,
+                          subs=subs),
+        grid=(pl.cdiv(m, tile_m), n // block_n, split_k),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, tile_m, block_n), lambda i, j, p: (p, i, j)) if split else
         pl.BlockSpec((tile_m, block_n), lambda i, j, p: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((split_k, rows, n) if split else (rows, n),
-                                       jnp.float32 if split else out_dtype or x.dtype),
+        out_shape=jax.ShapeDtypeStruct((split_k, m, n) if split else (m, n), jnp.float32 if split else out_dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"matmul_{fmt}",
@@ -196,8 +230,8 @@ def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int
         total = out[0]
         for p in range(1, split_k):
             total = total + out[p]
-        out = (total * s[None, :] if scale is not None or fmt == "fp8" else total).astype(out_dtype or x.dtype)
-    return out if rows == m else out[:m]
+        out = (total * s[None, :] if scaled else total).astype(out_dtype)
+    return out
 
 
 def matmul_reference(x, w, scale=None, fmt: str = "float"):

@@ -3,9 +3,11 @@
 of one token per row over a --prefix-token cache) in the default mode, in deterministic mode,
 and in deterministic mode with one of its parts put back on XLA (its norms, or its
 projections, or its LM head), or with the matmul kernel's k splits off; the differences place
-the cost. The XLA variants are not deterministic: they only measure.
+the cost. The XLA variants are not deterministic: they only measure. --kernels N also prints,
+for each variant, the N kernels that take the most time in a profiler trace of the step.
 
-    python3 scripts/deterministic_cost.py [--shape llama3-8b] [--batch 1] [--prefix 128]
+    python3 scripts/deterministic_cost.py [--shape llama3-8b] [--batch 1] [--prefix 128] \
+        [--variants default deterministic] [--kernels 25]
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import numpy as np
 import jaxspec.model.forward as fwd
 import pallas_kernels.matmul as matmul_kernel
 import pallas_kernels.rms_norm as norm_kernel
-from jaxspec.bench.scale import forward_ms
+from jaxspec.bench.common import best_seconds
+from jaxspec.bench.profile import kernel_table, kernel_times
+from jaxspec.bench.scale import forward_loop
 from jaxspec.bench.shapes import random_model
 
 
@@ -56,21 +60,28 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--prefix", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--kernels", type=int, default=0, help="print the N costliest kernels of each variant's step")
     args = p.parse_args(argv)
     model = random_model(args.shape)
+    steps = 32
     for batch in args.batch:
-        for name, (attention, patches) in VARIANTS.items():
+        for name in args.variants:
+            attention, patches = VARIANTS[name]
             saved = {key: getattr(*key) for key in patches}
             for (module, attr), value in patches.items():
                 setattr(module, attr, value)
             try:
                 jax.clear_caches()  # the loop is traced afresh with the parts patched
-                ms = forward_ms(model, batch, args.prefix, np.ones((1, 1), bool), attention, steps=32,
-                                repeats=args.repeats)
+                run = forward_loop(model, batch, args.prefix, np.ones((1, 1), bool), attention, steps)
+                ms = 1000 * best_seconds(run, args.repeats) / steps
+                kernels = kernel_times(run, 2, steps) if args.kernels else None
             finally:
                 for (module, attr), value in saved.items():
                     setattr(module, attr, value)
             print(f"| {args.shape} | B={batch} | {name} | {ms:.3f} ms |", flush=True)
+            if kernels is not None:
+                print(kernel_table(kernels, args.kernels), flush=True)
     return 0
 
 

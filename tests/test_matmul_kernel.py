@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from pallas_kernels.matmul import MIN_PROGRAMS, _fp8_bits_to_f16, matmul, matmul_reference, row_blocks, tiling
+from pallas_kernels.matmul import (BLOCK_M, DECODE_BLOCK_N, DOT_ROWS, MIN_PROGRAMS, _fp8_bits_to_f16, matmul,
+                                    matmul_reference, row_blocks, rows_per_dot, tiling)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -55,12 +56,17 @@ def test_split_sums_and_channels_first_weights_match_the_reference(fmt, split_k,
 
 
 def test_default_tiles_split_k_only_where_n_gives_too_few_programs():
-    assert tiling(4096, 28672) == (128, 64, 1)  # 448 tiles already
-    assert tiling(4096, 6144) == (128, 64, 4)  # 96 tiles -> 384 programs
-    assert tiling(4096, 4096) == (128, 64, 8)  # at most 8 splits
-    assert tiling(64, 64) == (16, 64, 4)  # never below the 16-wide dot tile
-    block_k, block_n, split = tiling(14336, 4096)
-    assert 4096 // block_n * split >= MIN_PROGRAMS and (14336 // split) % block_k == 0
+    assert tiling(4096, 28672) == (128, 1)  # 448 tiles of 64 columns already
+    assert tiling(4096, 6144) == (128, 4)  # 96 tiles -> 384 programs
+    assert tiling(4096, 4096) == (128, 8)  # at most 8 splits
+    assert tiling(64, 64) == (16, 4)  # never below the 16-wide dot tile
+    block_k, split = tiling(14336, 4096)
+    assert 4096 // DECODE_BLOCK_N * split >= MIN_PROGRAMS and (14336 // split) % block_k == 0
+
+
+def test_rows_per_dot_grow_with_the_rows_up_to_the_platforms_most():
+    assert [rows_per_dot(m, 64) for m in (1, 16, 17, 33, 64, 300)] == [16, 16, 32, 64, 64, 64]
+    assert rows_per_dot(300) == 16 and DOT_ROWS.get("rocm", BLOCK_M) == BLOCK_M
 
 
 def test_float32_inputs_are_summed_in_float32():
@@ -75,7 +81,7 @@ def test_a_row_gives_the_same_bits_alone_and_beside_any_other_rows(fmt):
     rng = np.random.default_rng(7)
     w, scale = weights(rng, 256, 128, fmt)
     row = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
-    assert tiling(256, 128)[2] > 1  # split sums too
+    assert tiling(256, 128)[1] > 1  # split sums too
     alone = matmul(row, w, scale, fmt=fmt, interpret=True)
     for rows, at in ((5, 3), (17, 9)):
         others = jnp.asarray(rng.standard_normal((rows, 256)) * 4, jnp.bfloat16)

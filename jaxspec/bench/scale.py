@@ -128,6 +128,12 @@ def _forward_loop(weights, cache, tokens, positions, chunk_mask, *, config, step
 
 def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention: str, steps: int, repeats: int) -> float:
     """ms of one forward pass of t = len(chunk_mask) tokens per row over a `prefix`-token cache."""
+    return 1000 * best_seconds(forward_loop(model, batch, prefix, chunk_mask, attention, steps), repeats) / steps
+
+
+def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention: str, steps: int):
+    """A call that runs `steps` forward passes of t = len(chunk_mask) tokens per row over a
+    `prefix`-token cache in one jitted loop and waits for them."""
     t = chunk_mask.shape[0]
     if attention == "deterministic" and not np.array_equal(chunk_mask, np.tril(np.ones((t, t), bool))):
         raise InputError("deterministic mode verifies chains only: time trees without --deterministic")
@@ -147,7 +153,7 @@ def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention
                                             config=model.config, steps=steps, attention=attention)
         acc.block_until_ready()
 
-    return 1000 * best_seconds(run, repeats) / steps
+    return run
 
 
 def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
