@@ -134,7 +134,9 @@ def _matmul_kernel(x_ref, w_ref, *rest, m: int, block_k: int, fmt: str, scaled: 
         plt.store(o_ref.at[pl.ds(r * bm, bm), :], acc.astype(o_ref.dtype), mask=real[r][:, None])
 
 
-MAX_SUBS = 4  # row blocks per program: at 64 rows and more each weight tile is read once
+# Rows per program (row blocks of block_m rows): 64, so at 64 rows and more each weight tile is
+# read once; 256 (four 64-row blocks) asked the H200 for more shared memory than it has.
+MAX_TILE_ROWS = 64
 # The most rows per dot that give a row the bits of a 16-row dot, per platform: on NVIDIA GPUs
 # 16-, 32- and 64-row dots (mma.sync, and Hopper's wgmma from 64) agreed bit for bit on the H200
 # at every 8B projection (scripts/matmul_bits.py; docs/deterministic.md). Elsewhere 16 only:
@@ -143,9 +145,10 @@ DOT_ROWS = {"cuda": 64}
 
 
 def row_blocks(m: int, block_m: int = BLOCK_M) -> int:
-    """Row blocks per program for m rows: enough for all of them, up to MAX_SUBS (a power of two)."""
+    """Row blocks per program for m rows: enough for all of them, up to MAX_TILE_ROWS rows (a
+    power of two)."""
     subs = 1
-    while subs < MAX_SUBS and subs * block_m < m:
+    while 2 * subs * block_m <= MAX_TILE_ROWS and subs * block_m < m:
         subs *= 2
     return subs
 

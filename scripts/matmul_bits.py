@@ -28,13 +28,12 @@ VARIANTS = {
     "block_m=32": dict(block_m=32, subs=1),
     "block_m=64": dict(block_m=64, subs=1),
     "block_m=16, subs=4": dict(block_m=16, subs=4),
-    "block_m=64, subs=4": dict(block_m=64, subs=4),
+    "block_m=32, subs=2": dict(block_m=32, subs=2),
     "block_n=128": dict(block_n=128),
     "block_n=32": dict(block_n=32),
     "num_warps=8": dict(num_warps=8),
     "num_stages=4": dict(num_stages=4),
     "block_m=64, block_n=128, num_warps=8": dict(block_m=64, subs=1, block_n=128, num_warps=8),
-    "block_m=64, block_n=256, num_warps=8": dict(block_m=64, subs=1, block_n=256, num_warps=8),
 }
 
 

@@ -97,7 +97,7 @@ def test_row_blocks_per_program_never_change_a_rows_bits(fmt):
     w, scale = weights(rng, 256, 128, fmt)
     batch = jnp.asarray(rng.standard_normal((70, 256)), jnp.bfloat16)
     alone = matmul(batch[33:34], w, scale, fmt=fmt, interpret=True)
-    assert row_blocks(1) == 1 and row_blocks(70) == 4
+    assert row_blocks(1) == 1 and row_blocks(70) == 4 and row_blocks(70, 32) == 2 and row_blocks(70, 64) == 1
     for subs in (None, 2):
         got = matmul(batch, w, scale, fmt=fmt, subs=subs, interpret=True)
         assert np.array_equal(np.asarray(got[33]), np.asarray(alone[0]))
