@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--projections", nargs="+", default=["wqkv", "wo", "w_gate_up", "w_down"])
     p.add_argument("--out-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
     args = p.parse_args(argv)
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
     print("| projection | rows | data | variant | elements differing | max abs diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     out_dtype = jnp.dtype(args.out_dtype)
-    for name, (k, n) in shapes.items():
+    for name in args.projections:
+        k, n = shapes[name]
         for wide in (False, True):
             x_all, w = operands(k, n, max(args.rows), wide, seed=k + n)
             for rows in args.rows:

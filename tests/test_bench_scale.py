@@ -1,7 +1,9 @@
 """`jaxspec bench --shape`: named shapes build the engine's real layout with random weights, and
 the benchmark runs end to end (tiny shape, CPU) and writes the rows it prints."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 import transformers
 
 import jaxspec
+from jaxspec.bench.profile import kernel_name, kernel_table, kernel_times
 from jaxspec.bench.shapes import SHAPES, random_model, shape_config, step_weight_bytes
 from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
@@ -126,3 +129,21 @@ def test_the_humaneval_bench_runs_the_embedded_head_beside_the_draft_model(tmp_p
     assert rows["eagle K=2"]["tokens_per_step"] >= 1 and rows["eagle tree sparse"]["acceptance_rate"] is not None
     # greedy rows must equal plain decoding; sampled rows are not compared token for token
     assert {r["same_as_plain"] for r in rows.values()} == ({2} if temperature == 0 else {2, None})
+
+
+def test_kernel_profile_names_group_numbered_copies_and_tabulate():
+    assert kernel_name("loop_add_fusion_12") == kernel_name("loop_add_fusion") == "loop_add_fusion"
+    assert kernel_name("gemm_fusion_dot.3") == "gemm_fusion_dot" and kernel_name("matmul_float") == "matmul_float"
+    table = kernel_table([("gemm", 30.0, 2.0), ("add", 1.5, 3.0)], top=1)
+    assert "| gemm | 30.0 | 2.0 |" in table and "add" not in table and "| all (2 names) | 31.5 | 5.0 |" in table
+    assert kernel_times(lambda: jax.block_until_ready(jax.numpy.ones(4) * 2), 1, 1) == []  # the CPU has no device plane
+
+
+def test_matmul_bits_script_finds_no_setting_that_changes_a_bit_in_interpret_mode(capsys):
+    path = Path(__file__).parents[1] / "scripts" / "matmul_bits.py"
+    spec = importlib.util.spec_from_file_location("matmul_bits", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--shape", "tiny", "--rows", "1", "--projections", "wo", "--interpret"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| wo |")]
+    assert len(rows) == 2 * 11 and all("| 0 / " in line for line in rows)
