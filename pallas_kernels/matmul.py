@@ -170,9 +170,9 @@ def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int
     module docstring. block_k, split_k: `tiling` (None: its defaults). split_k > 1: that many
     programs each sum a fixed k range, and their float32 partials are added in order afterwards.
     w_nk: w is given as [n, k] (each output channel contiguous: faster for 8-bit weights).
-    block_m (rows per dot), subs (row blocks per program): None picks `row_tiles` for the
-    platform the call is lowered for (rows_per_dot, DOT_ROWS). block_m, subs, block_n, num_warps and num_stages
-    change no bit (measured: scripts/matmul_bits.py)."""
+    block_m (rows per dot), subs (row blocks per program): None picks them for m rows on the
+    platform the call is lowered for (rows_per_dot with DOT_ROWS, row_blocks). block_m, subs,
+    block_n, num_warps and num_stages change no bit (measured: scripts/matmul_bits.py)."""
     if fmt not in FORMATS:
         raise ValueError(f"matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
