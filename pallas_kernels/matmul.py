@@ -25,8 +25,7 @@ made the 8B projections 1.6-2.4x slower on the H200 at 1 and 64 rows: the norm=1
 docs/bench/h200-matmul-sweep-norm-subs.jsonl; deterministic mode runs pallas_kernels/rms_norm.py
 before them instead.)
 
-8-bit weights become x's dtype in registers, exactly, with integer work where GPUs convert
-slowly (int8 through float32 bits, _int8_to_f32; float32 to bfloat16 by its top 16 bits). fp8 e4m3fn is decoded from its
+8-bit weights become x's dtype in registers. int8 converts exactly. fp8 e4m3fn is decoded from its
 bits without fp8 hardware or Triton's fp8 casts (absent for ROCm's e4m3fnuz in Pallas): its
 exponent and mantissa, shifted left by 7 beside its sign, are a float16 of the same value / 2^8
 (normal and subnormal alike; fp8 NaN is never stored), and the 2^8 joins the scale. So one
@@ -91,28 +90,11 @@ def _fp8_bits_to_f16(bits):
     return lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16)
 
 
-INT8_MAGIC = 0x4B000080  # the float32 bits of 2^23 + 128: + v (int8) gives those of 2^23 + 128 + v
-
-
-def _int8_to_f32(w):
-    """int8 -> float32 with integer adds and one float subtract: GPUs convert integers to floats at
-    a quarter of their add rate, too slow to keep up with 8-bit weight reads."""
-    return lax.bitcast_convert_type(w.astype(jnp.int32) + INT8_MAGIC, jnp.float32) - float(2 ** 23 + 128)
-
-
-def _exact_as(f, dtype):
-    """float32 values exact in dtype (8-bit weights' are) -> dtype; bfloat16 by taking the top 16
-    bits (exact here, and integer work instead of a conversion)."""
-    if dtype == jnp.bfloat16:
-        return lax.bitcast_convert_type((lax.bitcast_convert_type(f, jnp.uint32) >> 16).astype(jnp.uint16), dtype)
-    return f.astype(dtype)
-
-
 def _weights_as(w, fmt: str, dtype):
     if fmt == "fp8":
-        return _exact_as(_fp8_bits_to_f16(w).astype(jnp.float32), dtype)
+        return _fp8_bits_to_f16(w).astype(jnp.float32).astype(dtype)
     if fmt == "int8":
-        return _exact_as(_int8_to_f32(w), dtype)
+        return w.astype(jnp.float32).astype(dtype)
     return w
 
 
