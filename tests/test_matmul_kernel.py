@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from pallas_kernels.matmul import (BLOCK_M, DECODE_BLOCK_N, DOT_ROWS, MIN_PROGRAMS, _fp8_bits_to_f16, matmul,
-                                    matmul_reference, row_blocks, rows_per_dot, tiling)
+from pallas_kernels.matmul import (BLOCK_M, DECODE_BLOCK_N, DOT_ROWS, MIN_PROGRAMS, _fp8_bits_to_f16, _weights_as,
+                                   matmul, matmul_reference, row_blocks, rows_per_dot, tiling)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -30,6 +30,19 @@ def test_fp8_bits_decode_to_every_e4m3fn_value():
     exact = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
     finite = ~np.isnan(exact)
     assert finite.sum() == 254 and np.array_equal(decoded[finite], exact[finite])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_every_8bit_weight_becomes_its_exact_value_in_the_activations_dtype(dtype):
+    """The kernel's conversions, for every int8 value and every finite fp8 bit pattern."""
+    ints = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    got = np.asarray(_weights_as(ints, "int8", dtype).astype(jnp.float32))
+    assert _weights_as(ints, "int8", dtype).dtype == dtype and np.array_equal(got, np.arange(-128, 128))
+    bits = jnp.arange(256, dtype=jnp.uint8)
+    got = np.asarray(_weights_as(bits, "fp8", dtype).astype(jnp.float32)) * 2.0 ** 8
+    exact = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
+    finite = ~np.isnan(exact)
+    assert np.array_equal(got[finite], exact[finite])
 
 
 @pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
