@@ -2,6 +2,8 @@
 mode on the CPU for float, int8 and fp8 weights; the same bits for a row whatever the rows beside
 it; clear errors; and ahead-of-time lowering for ROCm (gfx942) and CUDA (H200)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,14 +130,31 @@ def test_bad_operands_are_refused_by_name(args, kwargs, message):
 
 
 @pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
-@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
-def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt):
-    """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200."""
+@pytest.mark.parametrize("fmt, rows", [("float", 4), ("int8", 4), ("fp8", 4), ("float", 64), ("int8", 40)])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, rows):
+    """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200, with
+    each platform's rows per dot (64 and 16 at 64 rows)."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
     w_dtype = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, jnp.bfloat16)
-    args = (jax.ShapeDtypeStruct((4, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), w_dtype),
+    args = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), w_dtype),
             jax.ShapeDtypeStruct((6144,), jnp.float32))
     with use_abstract_mesh(mesh):
         lowered = matmul.trace(*args, fmt=fmt).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text and f"matmul_{fmt}" in text
+
+
+def _triton_ir(platform: str, device_kind: str, rows: int) -> str:
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
+    args = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16))
+    with use_abstract_mesh(mesh):
+        text = matmul.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    (ir,) = re.findall(r'ir = "(.*?)"', text)
+    return ir
+
+
+def test_rows_per_dot_follow_the_platform_the_kernel_is_lowered_for():
+    """At 4 rows both platforms get the same kernel (16-row dots); at 64, CUDA's (one 64-row dot)
+    differs from ROCm's (four 16-row dots)."""
+    assert _triton_ir("rocm", "gfx942", 4) == _triton_ir("cuda", "NVIDIA H200", 4)
+    assert _triton_ir("rocm", "gfx942", 64) != _triton_ir("cuda", "NVIDIA H200", 64)
