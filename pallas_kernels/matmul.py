@@ -208,18 +208,18 @@ def _launch(x, w, s, *, fmt: str, out_dtype, block_m: int, subs: int, block_k: i
     tile_m = block_m * subs
     kk = k // split_k  # each program's share of the sum
     split = split_k > 1
+    fused_scale = scaled and not split  # split partials are scaled after their sum
     # The row blocks of one weight tile are neighbours in the launch order (grid axis 0), so a
     # batch past tile_m rows reads each tile from memory once and from L2 after.
     args = [x, w]
     in_specs = [pl.BlockSpec((tile_m, kk), lambda i, j, p: (i, p)),
                 pl.BlockSpec((block_n, kk), lambda i, j, p: (j, p)) if w_nk else
                 pl.BlockSpec((kk, block_n), lambda i, j, p: (p, j))]
-    if scaled and not split:
+    if fused_scale:
         args.append(s)
         in_specs.append(pl.BlockSpec((block_n,), lambda i, j, p: (j,)))
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, m=m, block_k=block_k, fmt=fmt, scaled=scaled and not split, w_nk=w_nk,
-                          subs=subs),
+        functools.partial(_matmul_kernel, m=m, block_k=block_k, fmt=fmt, scaled=fused_scale, w_nk=w_nk, subs=subs),
         grid=(pl.cdiv(m, tile_m), n // block_n, split_k),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, tile_m, block_n), lambda i, j, p: (p, i, j)) if split else

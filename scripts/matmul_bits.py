@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.shapes import shape_config
+from jaxspec.bench.shapes import projection_shapes, shape_config
 from pallas_kernels.matmul import matmul
 
 REFERENCE = dict(block_m=16, subs=1)
@@ -53,14 +53,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--projections", nargs="+", default=["wqkv", "wo", "w_gate_up", "w_down"])
+    p.add_argument("--projections", nargs="+", default=["wqkv", "wo", "w_gate_up", "w_down"],
+                   choices=["wqkv", "wo", "w_gate_up", "w_down", "lm_head"])
     p.add_argument("--out-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
     args = p.parse_args(argv)
-    c = shape_config(args.shape)
-    d, hd = c.hidden_size, c.head_dim
-    shapes = {"wqkv": (d, (c.num_heads + 2 * c.num_kv_heads) * hd), "wo": (c.num_heads * hd, d),
-              "w_gate_up": (d, 2 * c.intermediate_size), "w_down": (c.intermediate_size, d)}
+    shapes = projection_shapes(shape_config(args.shape))
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, out {args.out_dtype}")
     print("| projection | rows | data | variant | elements differing | max abs diff |")
     print("| --- | --- | --- | --- | --- | --- |")

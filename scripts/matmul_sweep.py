@@ -21,18 +21,10 @@ import jax.numpy as jnp
 
 from jaxspec.bench.common import best_seconds
 from jaxspec.bench.scale import jax_copy_bandwidth
-from jaxspec.bench.shapes import SHAPES, shape_config
+from jaxspec.bench.shapes import SHAPES, projection_shapes, shape_config
 from pallas_kernels.matmul import matmul
 
 STORED = {"float": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.uint8}
-
-
-def projection_shapes(config) -> dict[str, tuple[int, int]]:
-    """(k, n) of each fused projection of one layer, and the LM head."""
-    d, hd = config.hidden_size, config.head_dim
-    return {"wqkv": (d, (config.num_heads + 2 * config.num_kv_heads) * hd), "wo": (config.num_heads * hd, d),
-            "w_gate_up": (d, 2 * config.intermediate_size), "w_down": (config.intermediate_size, d),
-            "lm_head": (d, config.vocab_size)}
 
 
 def weights(k: int, n: int, fmt: str, copies: int, nk: bool):

@@ -80,6 +80,14 @@ def shape_config(name: str) -> ModelConfig:
     return dataclasses.replace(config_from_hf(SHAPES[name]), eos_token_ids=(), bos_token_id=None)
 
 
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(k, n) of each fused projection of one layer, and the LM head."""
+    d, hd = config.hidden_size, config.head_dim
+    return {"wqkv": (d, (config.num_heads + 2 * config.num_kv_heads) * hd), "wo": (config.num_heads * hd, d),
+            "w_gate_up": (d, 2 * config.intermediate_size), "w_down": (config.intermediate_size, d),
+            "lm_head": (d, config.vocab_size)}
+
+
 def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
     """The shapes of one layer's LayerWeights fields that this config uses (a tuple of shapes for
     gate/up kept apart: mlp=False, see model.fuse_mlp)."""
