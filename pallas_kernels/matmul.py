@@ -25,11 +25,13 @@ made the 8B projections 1.6-2.4x slower on the H200 at 1 and 64 rows: the norm=1
 docs/bench/h200-matmul-sweep-norm-subs.jsonl; deterministic mode runs pallas_kernels/rms_norm.py
 before them instead.)
 
-8-bit weights become x's dtype in registers. int8 converts exactly. fp8 e4m3fn is decoded from its
-bits without fp8 hardware or Triton's fp8 casts (absent for ROCm's e4m3fnuz in Pallas): its
-exponent and mantissa, shifted left by 7 beside its sign, are a float16 of the same value / 2^8
-(normal and subnormal alike; fp8 NaN is never stored), and the 2^8 joins the scale. So one
-stored format runs on MI300 and H200 alike.
+8-bit weights become x's dtype in registers. int8 converts exactly. fp8 e4m3fn converts with the
+GPU's own fp8 instruction on CUDA (NATIVE_FP8); elsewhere it is decoded from its bits without fp8
+hardware or Triton's fp8 casts (absent for ROCm's e4m3fnuz in Pallas): its exponent and mantissa,
+shifted left by 7 beside its sign, are a float16 of the same value / 2^8 (normal and subnormal
+alike; fp8 NaN is never stored), and the 2^8 joins the scale. Both are exact, so one stored
+format runs on MI300 and H200 alike, with the same bits. (One row of 8-bit weights has its own
+kernel in the default mode: pallas_kernels/matvec.py.)
 
 Backend notes (DESIGN.md): compiler_params are always plt.CompilerParams; Triton wants
 power-of-two tiles and dot tiles >= 16; MI300 has 64 KB of shared memory per CU, which the
@@ -90,7 +92,10 @@ def _fp8_bits_to_f16(bits):
     return lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16)
 
 
-def _weights_as(w, fmt: str, dtype):
+def _weights_as(w, fmt: str, dtype, native_fp8: bool = False):
+    """8-bit weights in dtype, exactly (fp8: the value / 2^8 unless native_fp8)."""
+    if fmt == "fp8" and native_fp8:  # the GPU's own fp8 conversion (CUDA: two weights an instruction)
+        return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(dtype)
     if fmt == "fp8":
         return _fp8_bits_to_f16(w).astype(jnp.float32).astype(dtype)
     if fmt == "int8":
@@ -105,7 +110,8 @@ def _dot(a, b, contract=((1,), (0,))):
                            preferred_element_type=jnp.float32)
 
 
-def _matmul_kernel(x_ref, w_ref, *rest, m: int, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int):
+def _matmul_kernel(x_ref, w_ref, *rest, m: int, block_k: int, fmt: str, scaled: bool, w_nk: bool, subs: int,
+                   native_fp8: bool):
     scale_ref, o_ref = rest if scaled else (None, rest[0])
     kk = x_ref.shape[1]
     bm = x_ref.shape[0] // subs
@@ -117,9 +123,9 @@ def _matmul_kernel(x_ref, w_ref, *rest, m: int, block_k: int, fmt: str, scaled: 
     def step(i, carry):
         at = pl.multiple_of(i * block_k, block_k)
         if w_nk:
-            w = _weights_as(w_ref[:, pl.ds(at, block_k)], fmt, dtype)
+            w = _weights_as(w_ref[:, pl.ds(at, block_k)], fmt, dtype, native_fp8)
         else:
-            w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, dtype)
+            w = _weights_as(w_ref[pl.ds(at, block_k), :], fmt, dtype, native_fp8)
         out = []
         for r, acc in enumerate(carry):  # one dot shape per row block, whatever subs is
             x = plt.load(x_ref.at[pl.ds(r * bm, bm), pl.ds(at, block_k)], mask=real[r][:, None], other=0)
@@ -142,6 +148,13 @@ MAX_TILE_ROWS = 64
 # at every 8B projection (scripts/matmul_bits.py; docs/deterministic.md). Elsewhere 16 only:
 # MI300's MFMA instruction shape follows the tile, and interpret mode runs the CPU's dot.
 DOT_ROWS = {"cuda": 64}
+# Where fp8 weights convert through Triton's own fp8 cast (CUDA, sm_89 and later): faster than the
+# bit decode at every 8B projection on the H200 (docs/quantization.md). Both are exact, so the
+# choice changes no bit. ROCm keeps the bit decode (Pallas cannot cast MI300's e4m3fnuz).
+NATIVE_FP8 = ("cuda",)
+# 8-bit weights past BLOCK_M rows: wider column tiles, since each re-reads the activations' tile
+# (H200, 32 rows: the 8B gate/up and down projections 15 % and 5 % faster than with 64).
+WIDE_BLOCK_N = 128
 
 
 def row_blocks(m: int, block_m: int = BLOCK_M) -> int:
@@ -183,26 +196,27 @@ def matmul(x, w, scale=None, *, fmt: str = "float", out_dtype=None, block_m: int
     if w.dtype != expected:
         raise ValueError(f"matmul w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
     block_k, split_k = tiling(k, n, block_k, split_k)
-    block_n = _largest_pow2_divisor(n, block_n or DECODE_BLOCK_N, "n")
+    wide = fmt != "float" and m > BLOCK_M  # (bf16's tiles at 64 rows were measured with DECODE_BLOCK_N)
+    block_n = _largest_pow2_divisor(n, block_n or (WIDE_BLOCK_N if wide else DECODE_BLOCK_N), "n")
     s = jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32)
-    s = s * FP8_SHIFT if fmt == "fp8" else s
     scaled = scale is not None or fmt == "fp8"
     launch = functools.partial(_launch, fmt=fmt, out_dtype=out_dtype or x.dtype, block_k=block_k, block_n=block_n,
                                split_k=split_k, w_nk=w_nk, scaled=scaled, num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret)
 
-    def tiled(most_rows_per_dot):
-        bm = block_m or rows_per_dot(m, most_rows_per_dot)
-        return functools.partial(launch, block_m=bm, subs=subs or row_blocks(m, bm))
+    def on(platform):
+        native = fmt == "fp8" and platform in NATIVE_FP8
+        bm = block_m or rows_per_dot(m, DOT_ROWS.get(platform, BLOCK_M))
+        shifted = s * FP8_SHIFT if fmt == "fp8" and not native else s
+        return lambda x, w: launch(x, w, shifted, block_m=bm, subs=subs or row_blocks(m, bm), native_fp8=native)
 
-    if block_m or interpret:
-        return tiled(BLOCK_M)(x, w, s)
-    return lax.platform_dependent(x, w, s, default=tiled(BLOCK_M),
-                                  **{platform: tiled(rows) for platform, rows in DOT_ROWS.items()})
+    if interpret:
+        return on("interpret")(x, w)
+    return lax.platform_dependent(x, w, default=on("default"), **{p: on(p) for p in set(DOT_ROWS) | set(NATIVE_FP8)})
 
 
 def _launch(x, w, s, *, fmt: str, out_dtype, block_m: int, subs: int, block_k: int, block_n: int, split_k: int,
-            w_nk: bool, scaled: bool, num_warps: int, num_stages: int, interpret: bool):
+            w_nk: bool, scaled: bool, num_warps: int, num_stages: int, interpret: bool, native_fp8: bool):
     m, k = x.shape
     n = s.shape[0]
     tile_m = block_m * subs
@@ -219,7 +233,8 @@ def _launch(x, w, s, *, fmt: str, out_dtype, block_m: int, subs: int, block_k: i
         args.append(s)
         in_specs.append(pl.BlockSpec((block_n,), lambda i, j, p: (j,)))
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, m=m, block_k=block_k, fmt=fmt, scaled=fused_scale, w_nk=w_nk, subs=subs),
+        functools.partial(_matmul_kernel, m=m, block_k=block_k, fmt=fmt, scaled=fused_scale, w_nk=w_nk, subs=subs,
+                          native_fp8=native_fp8),
         grid=(pl.cdiv(m, tile_m), n // block_n, split_k),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, tile_m, block_n), lambda i, j, p: (p, i, j)) if split else

@@ -7,7 +7,7 @@ the cost. The XLA variants are not deterministic: they only measure. --kernels N
 for each variant, the N kernels that take the most time in a profiler trace of the step.
 
     python3 scripts/deterministic_cost.py [--shape llama3-8b] [--batch 1] [--prefix 128] \
-        [--variants default deterministic] [--kernels 25]
+        [--variants default deterministic] [--kernels 25] [--quantize int8]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jaxspec.bench.common import best_seconds
 from jaxspec.bench.profile import kernel_table, kernel_times
 from jaxspec.bench.scale import forward_loop
 from jaxspec.bench.shapes import random_model
+from jaxspec.model.quantize import SCHEMES
 
 
 def _xla_norm(x, weight, eps, interpret=False):
@@ -62,8 +63,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--kernels", type=int, default=0, help="print the N costliest kernels of each variant's step")
+    p.add_argument("--quantize", choices=SCHEMES, help="the projections in 8 bits (docs/quantization.md)")
     args = p.parse_args(argv)
-    model = random_model(args.shape)
+    model = random_model(args.shape, quantize=args.quantize)
     steps = 32
     for batch in args.batch:
         for name in args.variants:

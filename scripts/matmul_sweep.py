@@ -23,6 +23,7 @@ from jaxspec.bench.common import best_seconds
 from jaxspec.bench.scale import jax_copy_bandwidth
 from jaxspec.bench.shapes import SHAPES, projection_shapes, shape_config
 from pallas_kernels.matmul import matmul
+from pallas_kernels.matvec import matvec
 
 STORED = {"float": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.uint8}
 
@@ -68,6 +69,8 @@ def main(argv=None):
     p.add_argument("--num-warps", type=int, nargs="+", default=[4])
     p.add_argument("--block-m", type=int, nargs="+", default=[16])
     p.add_argument("--subs", type=int, nargs="+", default=[0], help="row blocks per program (0: the kernel's default)")
+    p.add_argument("--kernel", default="matmul", choices=["matmul", "matvec"],
+                   help="matvec: pallas_kernels/matvec.py (8-bit, nk, few rows; block_m and subs unused)")
     p.add_argument("--top", type=int, default=3, help="settings kept from the first format for the others")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=420.0)
@@ -117,15 +120,23 @@ def main(argv=None):
                         return
                     if sk and (k % sk or (k // sk) % min(bk, 16)) or n % bn:
                         continue
-                    kw = dict(fmt=fmt, block_m=bm, block_k=bk, block_n=bn, split_k=sk or None, w_nk=layout == "nk",
-                              num_stages=stages, num_warps=warps, interpret=args.interpret, subs=subs or None)
+                    if args.kernel == "matvec":
+                        if fmt == "float" or layout != "nk":
+                            continue
+                        kw = dict(fmt=fmt, block_k=bk, block_n=bn, split_k=sk or 1, num_warps=warps,
+                                  interpret=args.interpret)
+                        fn = lambda x, w, sc: matvec(x, w, sc, **kw)
+                    else:
+                        kw = dict(fmt=fmt, block_m=bm, block_k=bk, block_n=bn, split_k=sk or None,
+                                  w_nk=layout == "nk", num_stages=stages, num_warps=warps, interpret=args.interpret,
+                                  subs=subs or None)
+                        fn = lambda x, w, sc: matmul(x, w, sc, **kw)
                     try:
-                        s = timed(lambda x, w, sc: matmul(x, w, sc, **kw), w_nk if layout == "nk" else w_kn, x,
-                                  scale, args.repeats)
+                        s = timed(fn, w_nk if layout == "nk" else w_kn, x, scale, args.repeats)
                     except Exception as e:  # a setting Triton cannot compile: say so and go on
                         print(f"# {name} {fmt} {layout} bn={bn} bk={bk} sk={sk}: {type(e).__name__}: {str(e)[:160]}")
                         continue
-                    record(projection=name, k=k, n=n, fmt=fmt, rows=rows, kernel="pallas", layout=layout,
+                    record(projection=name, k=k, n=n, fmt=fmt, rows=rows, kernel=args.kernel, layout=layout,
                            block_n=bn, block_k=bk, split_k=sk, stages=stages, warps=warps, block_m=bm, subs=subs,
                            s=s, bytes=nbytes)
                     ranked.append((s, (layout, bn, bk, sk, stages, warps, bm, subs)))

@@ -147,3 +147,18 @@ def test_matmul_bits_script_finds_no_setting_that_changes_a_bit_in_interpret_mod
     assert script.main(["--shape", "tiny", "--rows", "1", "--projections", "wo", "--interpret"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| wo |")]
     assert len(rows) == 2 * 11 and all("| 0 / " in line for line in rows)
+
+
+def test_matmul_sweep_script_times_the_one_row_kernel_in_interpret_mode(capsys, tmp_path):
+    path = Path(__file__).parents[1] / "scripts" / "matmul_sweep.py"
+    spec = importlib.util.spec_from_file_location("matmul_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "sweep.jsonl"
+    module.main(["--shape", "tiny", "--interpret", "--kernel", "matvec", "--rows", "1", "--formats", "fp8",
+                 "--projections", "wo", "--block-n", "8", "--block-k", "64", "--split-k", "1", "2", "--layouts", "nk",
+                 "--repeats", "1", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["kernel"] for r in records} == {"xla", "matvec"}
+    assert sorted(r["split_k"] for r in records if r["kernel"] == "matvec") == [1, 2]
+    assert all(r["s"] > 0 for r in records)

@@ -45,6 +45,8 @@ def test_every_8bit_weight_becomes_its_exact_value_in_the_activations_dtype(dtyp
     exact = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
     finite = ~np.isnan(exact)
     assert np.array_equal(got[finite], exact[finite])
+    native = np.asarray(_weights_as(bits, "fp8", dtype, native_fp8=True).astype(jnp.float32))  # CUDA's cast
+    assert np.array_equal(native[finite], exact[finite])
 
 
 @pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
@@ -144,11 +146,12 @@ def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, rows):
     assert "__gpu$xla.gpu.triton" in text and f"matmul_{fmt}" in text
 
 
-def _triton_ir(platform: str, device_kind: str, rows: int) -> str:
+def _triton_ir(platform: str, device_kind: str, rows: int, fmt: str = "float") -> str:
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
-    args = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16))
+    w_dtype = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), w_dtype))
     with use_abstract_mesh(mesh):
-        text = matmul.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        text = matmul.trace(*args, fmt=fmt).lower(lowering_platforms=(platform,)).as_text()
     (ir,) = re.findall(r'ir = "(.*?)"', text)
     return ir
 
@@ -158,3 +161,9 @@ def test_rows_per_dot_follow_the_platform_the_kernel_is_lowered_for():
     differs from ROCm's (four 16-row dots)."""
     assert _triton_ir("rocm", "gfx942", 4) == _triton_ir("cuda", "NVIDIA H200", 4)
     assert _triton_ir("rocm", "gfx942", 64) != _triton_ir("cuda", "NVIDIA H200", 64)
+
+
+def test_fp8_weights_take_cudas_own_conversion_there_and_the_bit_decode_on_rocm():
+    """At 4 rows the platforms' int8 kernels are one; their fp8 kernels differ (NATIVE_FP8)."""
+    assert _triton_ir("rocm", "gfx942", 4, "int8") == _triton_ir("cuda", "NVIDIA H200", 4, "int8")
+    assert _triton_ir("rocm", "gfx942", 4, "fp8") != _triton_ir("cuda", "NVIDIA H200", 4, "fp8")

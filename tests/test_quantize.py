@@ -76,15 +76,29 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_say(quantized_p
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
 
 
-def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch):
-    """The accelerators' path (the 8-bit kernel, here in interpret mode) against the CPU's (XLA)."""
-    model = jaxspec.load(save_tiny(tmp_path / "tiny", "llama", {}), dtype="float32", quantize="int8")
-    tokens = [5, 9, 33, 7, 100, 42]
-    xla = _logits(model, model.weights, tokens)
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch, scheme):
+    """The accelerators' path (the 8-bit kernels, here in interpret mode) against the CPU's (XLA):
+    a six-token prefill (the matmul kernel), then one token (fp8: the one-row matvec kernel)."""
+    model = jaxspec.load(save_tiny(tmp_path / "tiny", "llama", {}), dtype="float32", quantize=scheme)
+    tokens = jnp.asarray([[5, 9, 33, 7, 100, 42]], jnp.int32)
+
+    stacked = not isinstance(model.weights.layers, tuple)
+
+    def run():
+        cache = KVCache.create(model.config, 1, 64, jnp.float32, stacked=stacked)
+        prefill, cache = forward(model.weights, model.config, tokens, cache)
+        step, _ = forward(model.weights, model.config, tokens[:, :1], cache)
+        return prefill[0], step[0]
+
+    xla = run()
     monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(forward_module, "_interpret", lambda: True)  # the kernel, in interpret mode
-    kernel = _logits(model, model.weights, tokens)
-    np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-4 * float(jnp.abs(xla).max()))
+    monkeypatch.setattr(forward_module, "_interpret", lambda: True)  # the kernels, in interpret mode
+    names = str(jax.make_jaxpr(lambda: forward(model.weights, model.config, tokens[:, :1], KVCache.create(
+        model.config, 1, 64, jnp.float32, stacked=stacked)))())
+    assert (f"matvec_{scheme}" in names) == (scheme in forward_module.MATVEC_FORMATS)
+    for got, want in zip(run(), xla):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize("scheme, drafter", [("int8", "chain"), ("int8", "ngram"), ("fp8", "tree")])

@@ -25,6 +25,7 @@ from jaxspec.model.weights import LayerWeights, Weights, weight_specs
 from pallas_kernels import rms_norm as rms_norm_kernel
 from pallas_kernels.causal_attention import causal_attention
 from pallas_kernels.matmul import matmul
+from pallas_kernels.matvec import matvec
 from pallas_kernels.tree_attention import BLOCK_K, tree_attention
 
 
@@ -83,22 +84,31 @@ def _einsum(spec: str, a, b, **kwargs):
     return jnp.einsum(spec, a, b, precision=precision, **kwargs)
 
 
-KERNEL_MAX_ROWS = 16  # 8-bit weights: decode, verify and draft rows (one row block) take the kernel, more XLA
+# 8-bit weights on accelerators, by rows (H200, the 8B shape's projections; docs/quantization.md):
+# one row of fp8 takes the multiply-and-reduce kernel (the matmul kernel feeds a 16-row
+# tensor-core tile one real row; int8's was as fast there and stays); then the matmul kernel up
+# to KERNEL_MAX_ROWS; more, XLA on the converted values.
+MATVEC_FORMATS = ("fp8",)
+KERNEL_MAX_ROWS = {"int8": 64, "fp8": 16}  # at 32 rows XLA's fp8 product beat the kernel's, int8's not
 
 
 def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False):
     """x [..., q's contracted axes] @ q -> [..., q's output axes] in out_dtype (default x's): float32
-    sums of x times the 8-bit values (exact in x's dtype), then the scales. The 8-bit kernel on
-    accelerators for up to KERNEL_MAX_ROWS rows; XLA on the converted values elsewhere (the
-    CPU, and prefills, which are compute-bound); the kernel for every row count when
-    deterministic (on the CPU in interpret mode)."""
+    sums of x times the 8-bit values (exact in x's dtype), then the scales. On accelerators the
+    8-bit kernels up to KERNEL_MAX_ROWS rows (one row of MATVEC_FORMATS: matvec), XLA on the converted
+    values above (prefills are compute-bound) and on the CPU; deterministic: the matmul kernel
+    for every row count, whose sums have one order (on the CPU in interpret mode)."""
     out_axes = q.scale.shape
     n = math.prod(out_axes)
     k = q.values.size // n
     x2 = x.reshape(-1, k)
     w = q.values.reshape(n, k)  # channels first (Quantized)
     out_dtype = out_dtype or x.dtype
-    if deterministic or (jax.default_backend() != "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS):
+    rows = x2.shape[0]
+    on_accelerator = jax.default_backend() != "cpu"
+    if not deterministic and on_accelerator and rows == 1 and q.fmt in MATVEC_FORMATS:
+        out = matvec(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
+    elif deterministic or (on_accelerator and rows <= KERNEL_MAX_ROWS[q.fmt]):
         out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True, interpret=_interpret())
     else:
         w = stored_values(q.replace(values=w)).astype(x.dtype)

@@ -1,0 +1,141 @@
+"""A few rows times 8-bit weights by multiply-and-reduce (Pallas, Triton lowering): the decode
+step of a batch of one, where a tensor-core tile of 16 rows would carry one real row.
+
+Layout (as pallas_kernels/matmul.py with w_nk):
+  x      [m, k]  activations (bf16 or float32), m <= MAX_ROWS
+  w      [n, k]  int8, or fp8 e4m3fn given as its uint8 bits; each output channel contiguous
+  scale  [n]     float32 per output channel
+  -> out [m, n]  in out_dtype (default x's)
+
+Grid (n / block_n, split_k): each program reads a [block_n, k / split_k] panel of w in
+[block_n, block_k] tiles, converts each weight once to float32 in registers and keeps a float32
+product sum per weight position ([block_n, block_k] per row), reduced across k once at the end:
+no tensor-core tile, no per-step cross-thread reduction. split_k > 1: float32 partials added in
+order after, then the scales.
+
+The reduction order differs from the matmul kernel's, so a row's bits here are not its bits in a
+larger batch: the default mode's decode path only; deterministic mode (docs/deterministic.md)
+keeps the one-order matmul for every row count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.matmul import FP8_SHIFT, NATIVE_FP8, _fp8_bits_to_f16, _largest_pow2_divisor, matmul_reference
+
+MAX_ROWS = 4  # a float32 sum per weight position per row: registers bound the rows
+FORMATS = ("int8", "fp8")
+
+
+INT8_MAGIC = 0x4B000080  # float32 bits of 2^23 + 128; the low byte holds an int8's bits xor 0x80
+
+
+def _to_f32(w, fmt: str, native_fp8: bool):
+    """8-bit weights as float32, exactly. int8: its bits xor 0x80 (v + 128) as the low mantissa
+    byte of 2^23 + 128, minus 2^23 + 128 (integer and add work: on the H200 faster than the
+    conversion instruction). fp8: the GPU's fp8 conversion where native_fp8, else the bit decode
+    (the value / 2^8)."""
+    if fmt == "int8":
+        bits = lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.int32) ^ INT8_MAGIC
+        return lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(2.0 ** 23 + 128)
+    if native_fp8:
+        return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
+    return _fp8_bits_to_f16(w).astype(jnp.float32)
+
+
+def _matvec_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_k: int, fmt: str, native_fp8: bool, split: bool):
+    kk = w_ref.shape[1]
+    block_n = w_ref.shape[0]
+
+    def step(i, accs):
+        at = pl.multiple_of(i * block_k, block_k)
+        w = _to_f32(w_ref[:, pl.ds(at, block_k)], fmt, native_fp8)
+        return tuple(acc + w * x_ref[r, pl.ds(at, block_k)].astype(jnp.float32)[None, :]
+                     for r, acc in enumerate(accs))
+
+    accs = lax.fori_loop(0, kk // block_k, step, (jnp.zeros((block_n, block_k), jnp.float32),) * m)
+    for r, acc in enumerate(accs):
+        out = jnp.sum(acc, axis=1)
+        o_ref[r, :] = (out if split else out * s_ref[...]).astype(o_ref.dtype)  # split: scaled after the sum
+
+
+def default_block_k(k: int) -> int:
+    """The H200's best at the 8B shape's projections, one row (docs/quantization.md): 512, and
+    1024 for long rows (the down projection's 14336)."""
+    return 1024 if k > 8192 else 512
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_n", "block_k", "split_k", "num_warps",
+                                             "interpret"))
+def matvec(x, w, scale, *, fmt: str, out_dtype=None, block_n: int = 8, block_k: int | None = None, split_k: int = 1,
+           num_warps: int = 4, interpret: bool = False):
+    """x [m, k] @ w[n, k].T * scale [n] -> [m, n] for m <= MAX_ROWS; see the module docstring.
+    block_k None: default_block_k. Loads run in program order (Triton pipelines only loads that
+    feed dots; carrying tiles a step ahead by hand was slower on the H200)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"matvec fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    m, k = x.shape
+    n = w.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"matvec x must have 1 to {MAX_ROWS} rows; got {m}")
+    if w.ndim != 2 or w.shape[1] != k:
+        raise ValueError(f"matvec w must be [n, k={k}]; got {list(w.shape)}")
+    expected = jnp.int8 if fmt == "int8" else jnp.uint8
+    if w.dtype != expected:
+        raise ValueError(f"matvec w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
+    if split_k < 1 or k % split_k:
+        raise ValueError(f"matvec split_k must divide k={k}; got {split_k}")
+    kk = k // split_k
+    block_k = _largest_pow2_divisor(kk, block_k or default_block_k(kk), "k")
+    while n % block_n:  # any n: the largest power of two up to block_n that divides it
+        block_n //= 2
+    out_dtype = out_dtype or x.dtype
+    rows = 1
+    while rows < m:
+        rows *= 2  # Triton blocks are powers of two; the kernel reads and writes only the m real rows
+    split = split_k > 1
+
+    def on(platform):
+        native = fmt == "fp8" and platform in NATIVE_FP8
+        s = scale.astype(jnp.float32) * (FP8_SHIFT if fmt == "fp8" and not native else 1.0)
+        call = pl.pallas_call(
+            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native_fp8=native, split=split),
+            grid=(n // block_n, split_k),
+            in_specs=[pl.BlockSpec((rows, kk), lambda j, p: (0, p)),
+                      pl.BlockSpec((block_n, kk), lambda j, p: (j, p)),
+                      pl.BlockSpec((block_n,), lambda j, p: (j,))],
+            out_specs=pl.BlockSpec((None, rows, block_n), lambda j, p: (p, 0, j)) if split else
+            pl.BlockSpec((rows, block_n), lambda j, p: (0, j)),
+            out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split else
+            jax.ShapeDtypeStruct((m, n), out_dtype),
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name=f"matvec_{fmt}",
+        )
+        if not split:
+            return lambda x, w: call(x, w, s)
+
+        def summed(x, w):
+            out = call(x, w, s)
+            total = out[0]
+            for p in range(1, split_k):  # partials in a fixed order
+                total = total + out[p]
+            return (total * s[None, :]).astype(out_dtype)
+        return summed
+
+    if interpret:
+        return on("interpret")(x, w)
+    return lax.platform_dependent(x, w, default=on("default"), **{p: on(p) for p in NATIVE_FP8})
+
+
+def matvec_reference(x, w, scale, fmt: str):
+    """Plain-JAX float32 reference: the matmul kernel's (written independently of both kernels)
+    with w [n, k] as [k, n]."""
+    return matmul_reference(x, w.T, scale, fmt)

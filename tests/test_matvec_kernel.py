@@ -1,0 +1,101 @@
+"""The one-row 8-bit kernel (pallas_kernels/matvec.py): against the float32 reference in interpret
+mode on the CPU, its exact conversions, clear errors, and ahead-of-time lowering for ROCm (gfx942)
+and CUDA (H200), whose fp8 weights take the GPU's own conversion."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from pallas_kernels.matvec import MAX_ROWS, _to_f32, default_block_k, matvec, matvec_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def weights(rng, n, k, fmt):
+    """(w [n, k] as the kernel takes it, scale [n])."""
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n), jnp.float32)
+    if fmt == "int8":
+        return jnp.asarray(rng.integers(-128, 128, (n, k)), jnp.int8), scale
+    w = jnp.asarray(rng.standard_normal((n, k)) * 8, jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(w, jnp.uint8), scale
+
+
+def test_every_8bit_weight_becomes_its_exact_float32_value():
+    """int8 through the 2^23 + 128 bit trick; fp8 through the bit decode (the value / 2^8) and
+    through the fp8 cast (the value) alike."""
+    ints = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    assert np.array_equal(np.asarray(_to_f32(ints, "int8", False)), np.arange(-128, 128))
+    bits = jnp.arange(256, dtype=jnp.uint8)
+    exact = np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32))
+    finite = ~np.isnan(exact)
+    assert np.array_equal((np.asarray(_to_f32(bits, "fp8", False)) * 2.0 ** 8)[finite], exact[finite])
+    assert np.array_equal(np.asarray(_to_f32(bits, "fp8", True))[finite], exact[finite])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m, n, k, split_k, block_k", [(1, 48, 256, 1, 64), (3, 40, 256, 2, 64), (4, 37, 128, 1, None)])
+def test_kernel_matches_the_float32_reference(fmt, m, n, k, split_k, block_k):
+    """Rows up to MAX_ROWS, k splits, a column count no power of two divides (37: one-column tiles)."""
+    rng = np.random.default_rng(m * 100 + n)
+    w, scale = weights(rng, n, k, fmt)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    got = matvec(x, w, scale, fmt=fmt, block_n=16, block_k=block_k, split_k=split_k, interpret=True)
+    want = matvec_reference(x, w, scale, fmt)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_bf16_activations_give_bf16_rows_of_the_reference():
+    rng = np.random.default_rng(7)
+    w, scale = weights(rng, 64, 512, "fp8")
+    x = jnp.asarray(rng.standard_normal((1, 512)), jnp.bfloat16)
+    got = matvec(x, w, scale, fmt="fp8", interpret=True)
+    want = matvec_reference(x, w, scale, "fp8").astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2)
+
+
+def test_block_k_follows_the_row_length():
+    assert default_block_k(4096) == 512 and default_block_k(14336) == 1024
+
+
+@pytest.mark.parametrize("x_shape, w, kwargs, message", [
+    ((1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int4"}, "fmt must be one of"),
+    ((1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "fp8"}, "must be uint8"),
+    ((MAX_ROWS + 1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8"}, f"1 to {MAX_ROWS} rows"),
+    ((1, 64), jnp.ones((64, 32), jnp.int8), {"fmt": "int8"}, r"w must be \[n, k=64\]"),
+    ((1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8", "split_k": 3}, "split_k must divide"),
+])
+def test_bad_operands_are_refused_by_name(x_shape, w, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        matvec(jnp.ones(x_shape, jnp.bfloat16), w, jnp.ones((w.shape[0],), jnp.float32), interpret=True, **kwargs)
+
+
+def _lowered(platform, device_kind, fmt):
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
+    args = (jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((6144, 4096), jnp.int8 if fmt == "int8" else jnp.uint8),
+            jax.ShapeDtypeStruct((6144,), jnp.float32))
+    with use_abstract_mesh(mesh):
+        return matvec.trace(*args, fmt=fmt).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt):
+    """No GPU needed: a Triton custom call for MI300X (ROCm) and H200."""
+    text = _lowered(platform, device_kind, fmt)
+    assert "__gpu$xla.gpu.triton" in text and f"matvec_{fmt}" in text
+
+
+def test_only_cudas_fp8_kernel_differs_from_rocms():
+    """CUDA's fp8 kernel converts with the GPU's fp8 cast, ROCm's decodes the bits; int8's are one."""
+    def ir(platform, device_kind, fmt):
+        (found,) = re.findall(r'ir = "(.*?)"', _lowered(platform, device_kind, fmt))
+        return found
+    assert ir("rocm", "gfx942", "int8") == ir("cuda", "NVIDIA H200", "int8")
+    assert ir("rocm", "gfx942", "fp8") != ir("cuda", "NVIDIA H200", "fp8")
