@@ -66,10 +66,11 @@ def _matvec_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_k: int, fmt: str
         o_ref[r, :] = (out if split else out * s_ref[...]).astype(o_ref.dtype)  # split: scaled after the sum
 
 
-def default_block_k(k: int) -> int:
-    """The H200's best at the 8B shape's projections, one row (docs/quantization.md): 512, and
-    1024 for long rows (the down projection's 14336)."""
-    return 1024 if k > 8192 else 512
+def default_block_k(programs: int) -> int:
+    """The k tile for a grid of `programs` column tiles: 1024 up to 512 programs (each must keep
+    more bytes in flight), 512 past that. The H200's best at every projection of the 8B and 1B
+    shapes but one (within 1 %; docs/quantization.md)."""
+    return 1024 if programs <= 512 else 512
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_n", "block_k", "split_k", "num_warps",
@@ -93,9 +94,9 @@ def matvec(x, w, scale, *, fmt: str, out_dtype=None, block_n: int = 8, block_k: 
     if split_k < 1 or k % split_k:
         raise ValueError(f"matvec split_k must divide k={k}; got {split_k}")
     kk = k // split_k
-    block_k = _largest_pow2_divisor(kk, block_k or default_block_k(kk), "k")
     while n % block_n:  # any n: the largest power of two up to block_n that divides it
         block_n //= 2
+    block_k = _largest_pow2_divisor(kk, block_k or default_block_k(n // block_n * split_k), "k")
     out_dtype = out_dtype or x.dtype
     rows = 1
     while rows < m:

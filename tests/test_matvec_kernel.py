@@ -59,8 +59,9 @@ def test_bf16_activations_give_bf16_rows_of_the_reference():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2)
 
 
-def test_block_k_follows_the_row_length():
-    assert default_block_k(4096) == 512 and default_block_k(14336) == 1024
+def test_block_k_follows_the_programs():
+    """8B: q/k/v (768 programs of 8 columns) and gate/up 512; o and down (512 programs) 1024."""
+    assert [default_block_k(n // 8) for n in (6144, 28672, 4096)] == [512, 512, 1024]
 
 
 @pytest.mark.parametrize("x_shape, w, kwargs, message", [
