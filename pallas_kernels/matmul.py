@@ -244,12 +244,16 @@ def _launch(x, w, s, *, fmt: str, out_dtype, block_m: int, subs: int, block_k: i
         interpret=interpret,
         name=f"matmul_{fmt}",
     )(*args)
-    if split:  # partials added in a fixed order (an unrolled chain XLA keeps), then the scales
-        total = out[0]
-        for p in range(1, split_k):
-            total = total + out[p]
-        out = (total * s[None, :] if scaled else total).astype(out_dtype)
-    return out
+    return add_partials(out, s if scaled else None, out_dtype) if split else out
+
+
+def add_partials(partials, scale, out_dtype):
+    """Split-k float32 partials [splits, m, n] added in a fixed order (an unrolled chain XLA
+    keeps), then times scale [n] (None: unscaled), in out_dtype."""
+    total = partials[0]
+    for p in range(1, partials.shape[0]):
+        total = total + partials[p]
+    return (total if scale is None else total * scale[None, :]).astype(out_dtype)
 
 
 def matmul_reference(x, w, scale=None, fmt: str = "float"):

@@ -28,7 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.matmul import FP8_SHIFT, NATIVE_FP8, _fp8_bits_to_f16, _largest_pow2_divisor, matmul_reference
+from pallas_kernels.matmul import (FP8_SHIFT, NATIVE_FP8, _fp8_bits_to_f16, _largest_pow2_divisor, add_partials,
+                                   matmul_reference)
 
 MAX_ROWS = 4  # a float32 sum per weight position per row: registers bound the rows
 FORMATS = ("int8", "fp8")
@@ -122,14 +123,7 @@ def matvec(x, w, scale, *, fmt: str, out_dtype=None, block_n: int = 8, block_k: 
         )
         if not split:
             return lambda x, w: call(x, w, s)
-
-        def summed(x, w):
-            out = call(x, w, s)
-            total = out[0]
-            for p in range(1, split_k):  # partials in a fixed order
-                total = total + out[p]
-            return (total * s[None, :]).astype(out_dtype)
-        return summed
+        return lambda x, w: add_partials(call(x, w, s), s, out_dtype)
 
     if interpret:
         return on("interpret")(x, w)
