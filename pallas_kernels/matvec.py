@@ -13,6 +13,9 @@ product sum per weight position ([block_n, block_k] per row), reduced across k o
 no tensor-core tile, no per-step cross-thread reduction. split_k > 1: float32 partials added in
 order after, then the scales.
 
+Fusions (pallas_kernels/fused.py): the RMS norm before the projection (x scaled as loaded, 1/rms
+in the epilogue), the gated MLP's silu(gate) * up, the residual add.
+
 The reduction order differs from the matmul kernel's, so a row's bits here are not its bits in a
 larger batch: the default mode's decode path only; deterministic mode (docs/deterministic.md)
 keeps the one-order matmul for every row count.
@@ -28,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.matmul import (FP8_SHIFT, NATIVE_FP8, _fp8_bits_to_f16, _largest_pow2_divisor, add_partials,
-                                   matmul_reference)
+from pallas_kernels.fused import check_fusions, combine_partials, finish, given, inverse_rms
+from pallas_kernels.matmul import FP8_SHIFT, NATIVE_FP8, _fp8_bits_to_f16, _largest_pow2_divisor, matmul_reference
 
 MAX_ROWS = 4  # a float32 sum per weight position per row: registers bound the rows
 FORMATS = ("int8", "fp8")
@@ -51,20 +54,47 @@ def _to_f32(w, fmt: str, native_fp8: bool):
     return _fp8_bits_to_f16(w).astype(jnp.float32)
 
 
-def _matvec_kernel(x_ref, w_ref, s_ref, o_ref, *, m: int, block_k: int, fmt: str, native_fp8: bool, split: bool):
-    kk = w_ref.shape[1]
-    block_n = w_ref.shape[0]
+def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, native_fp8: bool, split: bool,
+                   normed: bool = False, gated: bool = False, residual: bool = False, k_total: int = 0,
+                   eps: float = 0.0):
+    refs = list(rest)
+    norm_ref = refs.pop(0) if normed else None
+    res_ref = refs.pop(0) if residual else None
+    o_ref = refs.pop(0)
+    kk = w_ref.shape[-1]
+    block_n = w_ref.shape[-2]
+    halves = 2 if gated else 1  # gated: w_ref holds [gate, up] panels (pallas_kernels/fused.py)
 
-    def step(i, accs):
+    def step(i, carry):
+        accs, squares = carry
         at = pl.multiple_of(i * block_k, block_k)
-        w = _to_f32(w_ref[:, pl.ds(at, block_k)], fmt, native_fp8)
-        return tuple(acc + w * x_ref[r, pl.ds(at, block_k)].astype(jnp.float32)[None, :]
-                     for r, acc in enumerate(accs))
+        ws = [_to_f32(w_ref[h, :, pl.ds(at, block_k)] if gated else w_ref[:, pl.ds(at, block_k)], fmt, native_fp8)
+              for h in range(halves)]
+        xs = [x_ref[r, pl.ds(at, block_k)].astype(jnp.float32) for r in range(m)]
+        if normed:  # squares per position, summed at the end; x scaled by the norm weight
+            squares = tuple(sq + x * x for sq, x in zip(squares, xs))
+            g = norm_ref[pl.ds(at, block_k)].astype(jnp.float32)
+            xs = [x * g for x in xs]
+        return tuple(accs[r * halves + h] + w * xs[r][None, :] for r in range(m) for h, w in enumerate(ws)), squares
 
-    accs = lax.fori_loop(0, kk // block_k, step, (jnp.zeros((block_n, block_k), jnp.float32),) * m)
-    for r, acc in enumerate(accs):
-        out = jnp.sum(acc, axis=1)
-        o_ref[r, :] = (out if split else out * s_ref[...]).astype(o_ref.dtype)  # split: scaled after the sum
+    zeros = (jnp.zeros((block_n, block_k), jnp.float32),) * (m * halves)
+    accs, squares = lax.fori_loop(0, kk // block_k, step,
+                                  (zeros, (jnp.zeros((block_k,), jnp.float32),) * m if normed else ()))
+    for r in range(m):
+        ys = [jnp.sum(acc, axis=1) for acc in accs[r * halves:(r + 1) * halves]]
+        if split:  # float32 partials: scaled and finished after the sum
+            for h, y in enumerate(ys):
+                if gated:
+                    o_ref[h, r, :] = y
+                else:
+                    o_ref[r, :] = y
+            continue
+        if normed:
+            inv = inverse_rms(jnp.sum(squares[r]), k_total, eps)
+            ys = [y * inv for y in ys]
+        ys = [y * (s_ref[h, :] if gated else s_ref[...]) for h, y in enumerate(ys)]
+        res = res_ref[r, :] if residual else None
+        o_ref[r, :] = finish(ys[0], o_ref.dtype, up=ys[1] if gated else None, residual=res)
 
 
 def default_block_k(programs: int) -> int:
@@ -75,12 +105,15 @@ def default_block_k(programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "block_n", "block_k", "split_k", "num_warps",
-                                             "interpret"))
-def matvec(x, w, scale, *, fmt: str, out_dtype=None, block_n: int = 8, block_k: int | None = None, split_k: int = 1,
-           num_warps: int = 4, interpret: bool = False):
+                                             "interpret", "gated", "eps"))
+def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, block_n: int | None = None,
+           block_k: int | None = None, split_k: int = 1, num_warps: int = 4, interpret: bool = False,
+           gated: bool = False, eps: float = 1e-6):
     """x [m, k] @ w[n, k].T * scale [n] -> [m, n] for m <= MAX_ROWS; see the module docstring.
-    block_k None: default_block_k. Loads run in program order (Triton pipelines only loads that
-    feed dots; carrying tiles a step ahead by hand was slower on the H200)."""
+    block_n None: 8 columns a program (gated: 4 of gate's and 4 of up's). block_k None:
+    default_block_k. Loads run in program order (Triton pipelines only loads that feed dots;
+    carrying tiles a step ahead by hand was slower on the H200). Fusions as the matmul kernel's
+    (pallas_kernels/fused.py): norm [k] (split_k 1 only), gated, residual [m, n]."""
     if fmt not in FORMATS:
         raise ValueError(f"matvec fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     m, k = x.shape
@@ -94,40 +127,65 @@ def matvec(x, w, scale, *, fmt: str, out_dtype=None, block_n: int = 8, block_k: 
         raise ValueError(f"matvec w for fmt {fmt!r} must be {jnp.dtype(expected).name}; got {w.dtype}")
     if split_k < 1 or k % split_k:
         raise ValueError(f"matvec split_k must divide k={k}; got {split_k}")
+    if norm is not None and split_k > 1:
+        raise ValueError(f"matvec fuses norm without k splits only (split_k 1); got split_k {split_k}")
+    fusions = check_fusions(m, k, n, norm, residual, gated, True, "matvec")
     kk = k // split_k
-    while n % block_n:  # any n: the largest power of two up to block_n that divides it
+    halves = 2 if gated else 1
+    n_out = n // halves
+    block_n = block_n or 8 // halves
+    while n_out % block_n:  # any n: the largest power of two up to block_n that divides it
         block_n //= 2
-    block_k = _largest_pow2_divisor(kk, block_k or default_block_k(n // block_n * split_k), "k")
+    block_k = _largest_pow2_divisor(kk, block_k or default_block_k(n_out // block_n * split_k), "k")
     out_dtype = out_dtype or x.dtype
     rows = 1
     while rows < m:
         rows *= 2  # Triton blocks are powers of two; the kernel reads and writes only the m real rows
     split = split_k > 1
+    w = w.reshape(2, n_out, k) if gated else w
+    in_specs = [pl.BlockSpec((rows, kk), lambda j, p: (0, p)),
+                pl.BlockSpec((2, block_n, kk), lambda j, p: (0, j, p)) if gated else
+                pl.BlockSpec((block_n, kk), lambda j, p: (j, p)),
+                pl.BlockSpec((2, block_n), lambda j, p: (0, j)) if gated else pl.BlockSpec((block_n,), lambda j, p: (j,))]
+    if norm is not None:
+        in_specs.append(pl.BlockSpec((kk,), lambda j, p: (p,)))
+    if residual is not None and not split:
+        in_specs.append(pl.BlockSpec((rows, block_n), lambda j, p: (0, j)))
+    if split:  # float32 partials, [2, m, n] each gated
+        out_spec = (pl.BlockSpec((None, 2, rows, block_n), lambda j, p: (p, 0, 0, j)) if gated else
+                    pl.BlockSpec((None, rows, block_n), lambda j, p: (p, 0, j)))
+        out_shape = jax.ShapeDtypeStruct((split_k, 2, m, n_out) if gated else (split_k, m, n_out), jnp.float32)
+    else:
+        out_spec = pl.BlockSpec((rows, block_n), lambda j, p: (0, j))
+        out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
 
     def on(platform):
         native = fmt == "fp8" and platform in NATIVE_FP8
         s = scale.astype(jnp.float32) * (FP8_SHIFT if fmt == "fp8" and not native else 1.0)
+        s = s.reshape(2, n_out) if gated else s
         call = pl.pallas_call(
-            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native_fp8=native, split=split),
-            grid=(n // block_n, split_k),
-            in_specs=[pl.BlockSpec((rows, kk), lambda j, p: (0, p)),
-                      pl.BlockSpec((block_n, kk), lambda j, p: (j, p)),
-                      pl.BlockSpec((block_n,), lambda j, p: (j,))],
-            out_specs=pl.BlockSpec((None, rows, block_n), lambda j, p: (p, 0, j)) if split else
-            pl.BlockSpec((rows, block_n), lambda j, p: (0, j)),
-            out_shape=jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split else
-            jax.ShapeDtypeStruct((m, n), out_dtype),
+            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native_fp8=native, split=split,
+                              normed=norm is not None, gated=gated, residual=residual is not None and not split,
+                              k_total=k, eps=eps),
+            grid=(n_out // block_n, split_k),
+            in_specs=in_specs,
+            out_specs=out_spec,
+            out_shape=out_shape,
             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret,
             name=f"matvec_{fmt}",
         )
-        if not split:
-            return lambda x, w: call(x, w, s)
-        return lambda x, w: add_partials(call(x, w, s), s, out_dtype)
+
+        def run(x, w, *f):
+            norm_, residual_ = given(f, norm, residual)
+            operands = [a for a in (norm_, None if split else residual_) if a is not None]
+            out = call(x, w, s, *operands)
+            return combine_partials(out, s, out_dtype, residual=residual_) if split else out
+        return run
 
     if interpret:
-        return on("interpret")(x, w)
-    return lax.platform_dependent(x, w, default=on("default"), **{p: on(p) for p in NATIVE_FP8})
+        return on("interpret")(x, w, *fusions)
+    return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in NATIVE_FP8})
 
 
 def matvec_reference(x, w, scale, fmt: str):

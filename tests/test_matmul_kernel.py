@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from pallas_kernels.matmul import (BLOCK_M, DECODE_BLOCK_N, DOT_ROWS, MIN_PROGRAMS, _fp8_bits_to_f16, _weights_as,
-                                   matmul, matmul_reference, row_blocks, rows_per_dot, tiling)
+                                   fused_reference, matmul, matmul_reference, row_blocks, rows_per_dot, tiling)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -120,7 +120,29 @@ def test_row_blocks_per_program_never_change_a_rows_bits(fmt):
         assert np.array_equal(np.asarray(got[33]), np.asarray(alone[0]))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m, split_k, fusions", [(1, 1, "gated"), (20, 2, "gated"), (5, 1, "residual"),
+                                                 (1, 2, "residual")])
+def test_fusions_match_the_float32_reference(fmt, m, split_k, fusions):
+    """The gate/up product and the residual (pallas_kernels/fused.py), whole or in k splits, over
+    one or two row blocks."""
+    rng = np.random.default_rng(m * 10 + split_k)
+    gated = fusions == "gated"
+    w, scale = weights(rng, 256, 64 if gated else 32, fmt)
+    w = w.T  # channels first: [n, k]
+    residual = jnp.asarray(rng.standard_normal((m, 32)), jnp.float32) if fusions == "residual" else None
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    got = matmul(x, w, scale, residual, fmt=fmt, w_nk=True, gated=gated, split_k=split_k, block_n=16, interpret=True)
+    want = fused_reference(x, w, scale, fmt, residual=residual, gated=gated)
+    assert got.shape == (m, 32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
+    ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.int8)), {"fmt": "int8", "gated": True},
+     r"w as \[n, k\] \(w_nk\) only"),
+    ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((32, 64), jnp.int8), None, jnp.ones((2, 16))),
+     {"fmt": "int8", "w_nk": True}, r"residual must be \[m=2, n=32\]"),
     ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.int8)), {"fmt": "int4"}, "fmt must be one of"),
     ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)), {"fmt": "int8"}, "must be int8"),
     ((jnp.ones((2, 64), jnp.bfloat16), jnp.ones((32, 32), jnp.bfloat16)), {}, r"w must be \[k=64, n\]"),
@@ -132,16 +154,18 @@ def test_bad_operands_are_refused_by_name(args, kwargs, message):
 
 
 @pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
-@pytest.mark.parametrize("fmt, rows", [("float", 4), ("int8", 4), ("fp8", 4), ("float", 64), ("int8", 40)])
-def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, rows):
+@pytest.mark.parametrize("fmt, rows, fused", [("float", 4, False), ("int8", 4, False), ("fp8", 4, False),
+                                              ("float", 64, False), ("int8", 40, False), ("int8", 4, True)])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, rows, fused):
     """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200, with
-    each platform's rows per dot (64 and 16 at 64 rows)."""
+    each platform's rows per dot (64 and 16 at 64 rows); fused: as gate/up runs, with its product."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
     w_dtype = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, jnp.bfloat16)
-    args = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 6144), w_dtype),
+    args = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((6144, 4096) if fused else (4096, 6144), w_dtype),
             jax.ShapeDtypeStruct((6144,), jnp.float32))
     with use_abstract_mesh(mesh):
-        lowered = matmul.trace(*args, fmt=fmt).lower(lowering_platforms=(platform,))
+        lowered = matmul.trace(*args, fmt=fmt, w_nk=fused, gated=fused).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text and f"matmul_{fmt}" in text
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from pallas_kernels.matmul import fused_reference
 from pallas_kernels.matvec import MAX_ROWS, _to_f32, default_block_k, matvec, matvec_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -59,6 +60,28 @@ def test_bf16_activations_give_bf16_rows_of_the_reference():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2)
 
 
+def fusion_operands(rng, m, n, k, fusions):
+    """(norm [k] or None, residual [m, n] or None, gated) for a fusions string like "norm+gated"."""
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, k), jnp.float32) if "norm" in fusions else None
+    residual = jnp.asarray(rng.standard_normal((m, n)), jnp.float32) if "residual" in fusions else None
+    return norm, residual, "gated" in fusions
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m, split_k, fusions", [(1, 1, "norm+gated"), (3, 1, "norm+residual"), (1, 2, "gated"),
+                                                 (2, 2, "residual")])
+def test_fusions_match_the_float32_reference(fmt, m, split_k, fusions):
+    """The norm, gate/up and residual fusions (pallas_kernels/fused.py), whole or in k splits."""
+    rng = np.random.default_rng(m * 10 + split_k)
+    norm, residual, gated = fusion_operands(rng, m, 24, 256, fusions)
+    w, scale = weights(rng, 48 if gated else 24, 256, fmt)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.float32)
+    got = matvec(x, w, scale, norm, residual, fmt=fmt, gated=gated, block_k=64, split_k=split_k, interpret=True)
+    want = fused_reference(x, w, scale, fmt, norm, residual, gated)
+    assert got.shape == (m, 24)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_block_k_follows_the_programs():
     """8B: q/k/v (768 programs of 8 columns) and gate/up 512; o and down (512 programs) 1024."""
     assert [default_block_k(n // 8) for n in (6144, 28672, 4096)] == [512, 512, 1024]
@@ -70,26 +93,35 @@ def test_block_k_follows_the_programs():
     ((MAX_ROWS + 1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8"}, f"1 to {MAX_ROWS} rows"),
     ((1, 64), jnp.ones((64, 32), jnp.int8), {"fmt": "int8"}, r"w must be \[n, k=64\]"),
     ((1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8", "split_k": 3}, "split_k must divide"),
+    ((1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8", "norm": jnp.ones(32)}, r"norm must be \[k=64\]"),
+    ((1, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8", "norm": jnp.ones(64), "split_k": 2},
+     "norm without k splits only"),
+    ((2, 64), jnp.ones((32, 64), jnp.int8), {"fmt": "int8", "gated": True, "residual": jnp.ones((2, 32))},
+     r"residual must be \[m=2, n=16\]"),
+    ((1, 64), jnp.ones((31, 64), jnp.int8), {"fmt": "int8", "gated": True}, "an even number of rows"),
 ])
 def test_bad_operands_are_refused_by_name(x_shape, w, kwargs, message):
     with pytest.raises(ValueError, match=message):
         matvec(jnp.ones(x_shape, jnp.bfloat16), w, jnp.ones((w.shape[0],), jnp.float32), interpret=True, **kwargs)
 
 
-def _lowered(platform, device_kind, fmt):
+def _lowered(platform, device_kind, fmt, fused=False):
+    """fused: as the gate/up projection runs, its norm and product fused."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
     args = (jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
             jax.ShapeDtypeStruct((6144, 4096), jnp.int8 if fmt == "int8" else jnp.uint8),
             jax.ShapeDtypeStruct((6144,), jnp.float32))
+    if fused:
+        args += (jax.ShapeDtypeStruct((4096,), jnp.bfloat16),)
     with use_abstract_mesh(mesh):
-        return matvec.trace(*args, fmt=fmt).lower(lowering_platforms=(platform,)).as_text()
+        return matvec.trace(*args, fmt=fmt, gated=fused).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt):
-    """No GPU needed: a Triton custom call for MI300X (ROCm) and H200."""
-    text = _lowered(platform, device_kind, fmt)
+@pytest.mark.parametrize("fmt, fused", [("int8", False), ("fp8", False), ("fp8", True)])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, fused):
+    """No GPU needed: a Triton custom call for MI300X (ROCm) and H200, plain and fused."""
+    text = _lowered(platform, device_kind, fmt, fused)
     assert "__gpu$xla.gpu.triton" in text and f"matvec_{fmt}" in text
 
 

@@ -12,6 +12,7 @@ from tiny_models import save_tiny
 
 import jaxspec
 import jaxspec.model.forward as forward_module
+from jaxspec.model import layout
 from jaxspec.defaults import CHECKPOINTS
 from jaxspec.model.cache import KVCache
 from jaxspec.model.checkpoint import convert_hf_checkpoint, read_checkpoint, write_checkpoint
@@ -78,25 +79,36 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_say(quantized_p
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch, scheme):
-    """The accelerators' path (the 8-bit kernels, here in interpret mode) against the CPU's (XLA):
-    a six-token prefill (the matmul kernel), then one token (fp8: the one-row matvec kernel)."""
+    """The accelerators' path (their layout, layers unrolled and gate/up one matrix; the 8-bit
+    kernels in interpret mode, with the gated MLP's product, the residual adds and (matvec) the
+    norms fused in) against XLA's, unfused: a six-token prefill (the matmul kernel), then one token
+    (fp8: the one-row matvec kernel)."""
+    monkeypatch.setattr(layout, "scan_layers", lambda: False)
+    monkeypatch.setattr(layout, "fuse_mlp", lambda: True)
     model = jaxspec.load(save_tiny(tmp_path / "tiny", "llama", {}), dtype="float32", quantize=scheme)
+    assert not isinstance(model.weights.layers[0].w_gate_up, tuple)
     tokens = jnp.asarray([[5, 9, 33, 7, 100, 42]], jnp.int32)
 
-    stacked = not isinstance(model.weights.layers, tuple)
-
     def run():
-        cache = KVCache.create(model.config, 1, 64, jnp.float32, stacked=stacked)
+        cache = KVCache.create(model.config, 1, 64, jnp.float32, stacked=False)
         prefill, cache = forward(model.weights, model.config, tokens, cache)
         step, _ = forward(model.weights, model.config, tokens[:, :1], cache)
         return prefill[0], step[0]
 
+    def top_level_ops(t):  # of a t-token pass: primitives, and jitted functions by name
+        jaxpr = jax.make_jaxpr(lambda: forward(model.weights, model.config, tokens[:, :t], KVCache.create(
+            model.config, 1, 64, jnp.float32, stacked=False)))()
+        return [str(e.params.get("name", e.primitive.name)) for e in jaxpr.eqns]
+
     xla = run()
+    assert "rsqrt" in top_level_ops(1) and "silu" in top_level_ops(1)
     monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(forward_module, "_interpret", lambda: True)  # the kernels, in interpret mode
-    names = str(jax.make_jaxpr(lambda: forward(model.weights, model.config, tokens[:, :1], KVCache.create(
-        model.config, 1, 64, jnp.float32, stacked=stacked)))())
-    assert (f"matvec_{scheme}" in names) == (scheme in forward_module.MATVEC_FORMATS)
+    kernel = "matvec" if scheme in forward_module.MATVEC_FORMATS else "matmul"
+    for t, kernel in ((1, kernel), (6, "matmul")):  # gated products in the kernels, norms in matvec's
+        ops = top_level_ops(t)
+        assert "silu" not in ops and ("rsqrt" in ops) == (kernel not in forward_module.NORM_FUSED_IN)
+        assert ops.count(kernel) == 4 * model.config.num_layers + 1
     for got, want in zip(run(), xla):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,30 +91,79 @@ def _einsum(spec: str, a, b, **kwargs):
 # to KERNEL_MAX_ROWS; more, XLA on the converted values.
 MATVEC_FORMATS = ("fp8",)
 KERNEL_MAX_ROWS = {"int8": 64, "fp8": 16}  # at 32 rows XLA's fp8 product beat the kernel's, int8's not
+# The 8-bit kernels that take the gated MLP's product and the residual adds into their epilogue,
+# and those that take the RMS norm before a projection into their loop (pallas_kernels/fused.py):
+# XLA fuses them into its own GEMMs, a Pallas call takes none. Never in deterministic mode.
+# H200, 8B, B=1 (docs/quantization.md): fp8 2.97 -> 2.93 ms; int8 as before (its split-k sums
+# had taken the residual adds already); the norm in the matmul kernel made int8 1.6x slower, and
+# int8's normed projections through matvec (to fuse it there) 3.05 ms against 2.91.
+FUSED_KERNELS = ("matvec", "matmul")
+NORM_FUSED_IN = ("matvec",)
 
 
-def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False):
+class Norm(NamedTuple):
+    """An RMS norm to apply to a projection's input first (fused where a kernel can)."""
+    weight: jnp.ndarray
+    eps: float
+
+
+def _quantized_kernel(rows: int, fmt: str, deterministic: bool) -> str:
+    """Which kernel computes `rows` rows of 8-bit weights: "matvec", "matmul" or "xla"."""
+    on_accelerator = jax.default_backend() != "cpu"
+    if not deterministic and on_accelerator and rows == 1 and fmt in MATVEC_FORMATS:
+        return "matvec"
+    if deterministic or (on_accelerator and rows <= KERNEL_MAX_ROWS[fmt]):
+        return "matmul"
+    return "xla"
+
+
+def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False, norm: Norm | None = None,
+               gated: bool = False, residual=None):
     """x [..., q's contracted axes] @ q -> [..., q's output axes] in out_dtype (default x's): float32
     sums of x times the 8-bit values (exact in x's dtype), then the scales. On accelerators the
     8-bit kernels up to KERNEL_MAX_ROWS rows (one row of MATVEC_FORMATS: matvec), XLA on the converted
     values above (prefills are compute-bound) and on the CPU; deterministic: the matmul kernel
-    for every row count, whose sums have one order (on the CPU in interpret mode)."""
+    for every row count, whose sums have one order (on the CPU in interpret mode).
+
+    norm: x is RMS-normed first; gated: q is the fused gate/up ([d, 2, f]) and the result
+    silu(gate) * up [..., f]; residual: added to the result. The kernels fuse them (NORM_FUSED_IN
+    for the norm; pallas_kernels/fused.py) outside deterministic mode; XLA applies them around
+    the product otherwise, as the unfused layer does."""
     out_axes = q.scale.shape
     n = math.prod(out_axes)
     k = q.values.size // n
+    out_dtype = out_dtype or x.dtype
+    lead = x.shape[: x.ndim - q.contract]
+    kernel = _quantized_kernel(math.prod(lead), q.fmt, deterministic)
+    fused = kernel in FUSED_KERNELS and not deterministic
+    if norm is not None and not (fused and kernel in NORM_FUSED_IN):
+        x, norm = rms_norm(x, norm.weight, norm.eps, deterministic), None
     x2 = x.reshape(-1, k)
     w = q.values.reshape(n, k)  # channels first (Quantized)
-    out_dtype = out_dtype or x.dtype
-    rows = x2.shape[0]
-    on_accelerator = jax.default_backend() != "cpu"
-    if not deterministic and on_accelerator and rows == 1 and q.fmt in MATVEC_FORMATS:
+    if fused:
+        kw = dict(residual=None if residual is None else residual.reshape(x2.shape[0], -1), gated=gated,
+                  fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
+        if kernel == "matvec":
+            norm_kw = {} if norm is None else dict(norm=norm.weight.astype(x.dtype), eps=norm.eps)
+            out = matvec(x2, w, q.scale.reshape(n), **norm_kw, **kw)
+        else:
+            out = matmul(x2, w, q.scale.reshape(n), w_nk=True, **kw)
+        return out.reshape(*lead, *(out_axes[1:] if gated else out_axes))
+    if kernel == "matvec":
         out = matvec(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
-    elif deterministic or (on_accelerator and rows <= KERNEL_MAX_ROWS[q.fmt]):
+    elif kernel == "matmul":
         out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True, interpret=_interpret())
     else:
         w = stored_values(q.replace(values=w)).astype(x.dtype)
         out = (_einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
-    return out.reshape(*x.shape[: x.ndim - q.contract], *out_axes)
+    return _epilogue(out.reshape(*lead, *out_axes), gated, residual)
+
+
+def _epilogue(out, gated: bool, residual):
+    """The gated MLP's product (out [..., 2, f]: gate, up) and the residual add, unfused."""
+    if gated:
+        out = jax.nn.silu(out[..., 0, :]) * out[..., 1, :]
+    return out if residual is None else residual + out
 
 
 def _kernel_project(spec: str, x, w, out_dtype=None):
@@ -131,22 +181,27 @@ def _kernel_project(spec: str, x, w, out_dtype=None):
     return out.reshape(*x.shape[:2], *out_axes)
 
 
-def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool = False, **kwargs):
+def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool = False, norm: Norm | None = None,
+             gated: bool = False, residual=None, **kwargs):
     """A weight matmul of activations x [b, t, ...] (8-bit weights: _quantized, whose contracted
-    axes lead w's as in every projection's spec). pad_one_row (the accelerators' layout): XLA's
-    GPU simplifier rewrites a vector-matrix product with a matrix under 10M elements into
-    multiply + reduce kernels, which ran the 1B draft's q/k/v and o projections far below the
-    memory bandwidth (a one-token pass took 1.24 ms against 1.01 ms for two, H200). A zero row
-    keeps a one-row product on the GEMM path; the barrier stops the simplifier from seeing
-    through it."""
+    axes lead w's as in every projection's spec), with _quantized's norm, gated and residual
+    (fused only there). pad_one_row (the accelerators' layout): XLA's GPU simplifier rewrites a
+    vector-matrix product with a matrix under 10M elements into multiply + reduce kernels, which
+    ran the 1B draft's q/k/v and o projections far below the memory bandwidth (a one-token pass
+    took 1.24 ms against 1.01 ms for two, H200). A zero row keeps a one-row product on the GEMM
+    path; the barrier stops the simplifier from seeing through it."""
     if isinstance(w, Quantized):
-        return _quantized(x, w, kwargs.get("preferred_element_type"), deterministic)
+        return _quantized(x, w, kwargs.get("preferred_element_type"), deterministic, norm, gated, residual)
+    if norm is not None:
+        x = rms_norm(x, norm.weight, norm.eps, deterministic)
     if deterministic:
-        return _kernel_project(spec, x, w, kwargs.get("preferred_element_type"))
-    if not (pad_one_row and x.shape[0] * x.shape[1] == 1):
-        return _einsum(spec, x, w, **kwargs)
-    padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))
-    return _einsum(spec, padded, w, **kwargs)[:, :1]
+        out = _kernel_project(spec, x, w, kwargs.get("preferred_element_type"))
+    elif not (pad_one_row and x.shape[0] * x.shape[1] == 1):
+        out = _einsum(spec, x, w, **kwargs)
+    else:
+        padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))
+        out = _einsum(spec, padded, w, **kwargs)[:, :1]
+    return _epilogue(out, gated, residual)
 
 
 def use_pallas(attention: str, config: ModelConfig, chunk: int, capacity: int) -> bool:
@@ -215,23 +270,26 @@ def _total(axis, deterministic: bool):
 
 
 def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis,
-               lengths, w: LayerWeights, h, cache_k, cache_v, layer=None):
+               lengths, w: LayerWeights, h, cache_k, cache_v, layer=None, norm: Norm | None = None, residual=None):
     """Self-attention of normed inputs h [b, t, d_in] -> (its output projection [b, t, d], the
     caches with the new keys and values written). impl: "xla", "pallas" (the tree-attention
-    kernel) or "deterministic" (ATTENTION_IMPLS). See _layer for the other arguments."""
+    kernel) or "deterministic" (ATTENTION_IMPLS). norm: h is not normed yet (the projection
+    norms it); residual: added to the output. See _layer for the other arguments."""
     det = impl == "deterministic"
     total = _total(axis, det)
     b, t, _ = h.shape
     g = c.queries_per_kv
-    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row, det), w.bqkv)  # j: g queries, key, value
-    q = qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim)
-    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-    if c.qk_norm:
-        q = rms_norm(q, w.q_norm, c.rms_norm_eps, det)
-        k = rms_norm(k, w.k_norm, c.rms_norm_eps, det)
+    qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row, det, norm), w.bqkv)  # j: g queries, key, value
+    v = qkv[:, :, :, g + 1]
     cos, sin = rope_tables(positions, inv_freq, qkv.dtype)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    if c.qk_norm:  # each normed, then rotated
+        q = rms_norm(qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps, det)
+        k = rms_norm(qkv[:, :, :, g], w.k_norm, c.rms_norm_eps, det)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    else:  # queries and keys in one rotation (one kernel on GPUs, not two)
+        qk = apply_rope(qkv[:, :, :, : g + 1].reshape(b, t, -1, c.head_dim), cos, sin)
+        qk = qk.reshape(b, t, c.num_kv_heads, g + 1, c.head_dim)
+        q, k = qk[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), qk[:, :, :, g]
 
     # Write the new keys/values beside the committed prefix, then attend over the whole cache.
     slots = lengths[:, None] + jnp.arange(t)[None, :]
@@ -249,15 +307,28 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
                               interpret=_interpret())
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    return _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row, det)), w.bo), cache_k, cache_v
+    fuse = axis is None and w.bo is None  # the residual joins the projection itself
+    out = _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row, det, residual=residual if fuse else None)),
+               w.bo)
+    return out if fuse or residual is None else residual + out, cache_k, cache_v
 
 
-def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool = False):
-    """The gated MLP of normed inputs h [b, t, d] -> [b, t, d] (summed over axis)."""
+def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool = False, norm: Norm | None = None,
+              residual=None):
+    """The gated MLP of normed inputs h [b, t, d] -> [b, t, d] (summed over axis). norm: h is not
+    normed yet (the projection norms it); residual: added to the output."""
     total = _total(axis, deterministic)
-    gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row, deterministic)
-    down = _project("btf,fd->btd", jax.nn.silu(gate) * up, w.w_down, pad_one_row, deterministic)
-    return _add(total(down), w.b_down)
+    if isinstance(w.w_gate_up, tuple) or w.b_gate_up is not None:  # separate (the CPU's) or biased: unfused
+        if norm is not None:
+            h = rms_norm(h, norm.weight, norm.eps, deterministic)
+        gate, up = _gate_up(h, w.w_gate_up, w.b_gate_up, pad_one_row, deterministic)
+        act = jax.nn.silu(gate) * up
+    else:  # silu(gate) * up: the 8-bit kernels' epilogue
+        act = _project("btd,dcf->btcf", h, w.w_gate_up, pad_one_row, deterministic, norm, gated=True)
+    fuse = axis is None and w.b_down is None
+    down = _project("btf,fd->btd", act, w.w_down, pad_one_row, deterministic, residual=residual if fuse else None)
+    out = _add(total(down), w.b_down)
+    return out if fuse or residual is None else residual + out
 
 
 def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis, lengths,
@@ -265,13 +336,14 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad
     """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
     [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
     pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
-    ffn columns (c is then the shard's config): the o and down products are summed over it."""
+    ffn columns (c is then the shard's config): the o and down products are summed over it.
+    Each norm goes to the projection it feeds, each residual add to the one before it: the
+    8-bit kernels fuse them (_quantized)."""
     det = impl == "deterministic"
-    h = rms_norm(x, w.attn_norm, c.rms_norm_eps, det)
-    attn, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, impl, pad_one_row, axis, lengths,
-                                        w, h, cache_k, cache_v, layer)
-    x = x + attn
-    x = x + gated_mlp(w, rms_norm(x, w.mlp_norm, c.rms_norm_eps, det), pad_one_row, axis, det)
+    x, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, impl, pad_one_row, axis, lengths,
+                                         w, x, cache_k, cache_v, layer, norm=Norm(w.attn_norm, c.rms_norm_eps),
+                                         residual=x)
+    x = gated_mlp(w, x, pad_one_row, axis, det, norm=Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
     return x, cache_k, cache_v
 
 
@@ -380,11 +452,13 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
     if logits_at is not None:  # e.g. a prefill's last prompt token: skip the head for the rest
         at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
         x = jnp.take_along_axis(x, at[:, :, None], axis=1)
-    x = rms_norm(x, weights.final_norm, config.rms_norm_eps, det)
+    final_norm = Norm(weights.final_norm, config.rms_norm_eps)
     if weights.lm_head is None:
-        logits = _project("btd,vd->btv", x, weights.embed, unrolled, det, preferred_element_type=jnp.float32)
+        logits = _project("btd,vd->btv", x, weights.embed, unrolled, det, final_norm,
+                          preferred_element_type=jnp.float32)
     else:
-        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, det, preferred_element_type=jnp.float32)
+        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, det, final_norm,
+                          preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
         logits = lax.all_gather(logits, axis, axis=2, tiled=True)
     return logits, cache.replace(k=new_k, v=new_v), features
