@@ -140,22 +140,19 @@ def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False, nor
         x, norm = rms_norm(x, norm.weight, norm.eps, deterministic), None
     x2 = x.reshape(-1, k)
     w = q.values.reshape(n, k)  # channels first (Quantized)
+    kw = dict(fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
     if fused:
-        kw = dict(residual=None if residual is None else residual.reshape(x2.shape[0], -1), gated=gated,
-                  fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
-        if kernel == "matvec":
-            norm_kw = {} if norm is None else dict(norm=norm.weight.astype(x.dtype), eps=norm.eps)
-            out = matvec(x2, w, q.scale.reshape(n), **norm_kw, **kw)
-        else:
-            out = matmul(x2, w, q.scale.reshape(n), w_nk=True, **kw)
-        return out.reshape(*lead, *(out_axes[1:] if gated else out_axes))
+        kw |= dict(residual=None if residual is None else residual.reshape(x2.shape[0], -1), gated=gated)
+        kw |= {} if norm is None else dict(norm=norm.weight.astype(x.dtype), eps=norm.eps)
     if kernel == "matvec":
-        out = matvec(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
+        out = matvec(x2, w, q.scale.reshape(n), **kw)
     elif kernel == "matmul":
-        out = matmul(x2, w, q.scale.reshape(n), fmt=q.fmt, out_dtype=out_dtype, w_nk=True, interpret=_interpret())
+        out = matmul(x2, w, q.scale.reshape(n), w_nk=True, **kw)
     else:
         w = stored_values(q.replace(values=w)).astype(x.dtype)
         out = (_einsum("mk,nk->mn", x2, w, preferred_element_type=jnp.float32) * q.scale.reshape(n)).astype(out_dtype)
+    if fused:
+        return out.reshape(*lead, *(out_axes[1:] if gated else out_axes))
     return _epilogue(out.reshape(*lead, *out_axes), gated, residual)
 
 
