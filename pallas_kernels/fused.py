@@ -59,8 +59,8 @@ def combine_partials(partials, scale, out_dtype, residual=None):
 
 def check_fusions(m: int, k: int, n: int, norm, residual, gated: bool, w_nk: bool, kernel: str) -> tuple:
     """The fusion operands given (norm, residual), checked by name."""
-    if (norm is not None or residual is not None or gated) and not w_nk:
-        raise ValueError(f"{kernel} fuses norm, residual and gated with w as [n, k] (w_nk) only")
+    if (residual is not None or gated) and not w_nk:  # (matvec, the only one with a norm, is always [n, k])
+        raise ValueError(f"{kernel} fuses residual and gated with w as [n, k] (w_nk) only")
     if norm is not None and norm.shape != (k,):
         raise ValueError(f"{kernel} norm must be [k={k}]; got {list(norm.shape)}")
     if gated and n % 2:

@@ -273,7 +273,6 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
     kernel) or "deterministic" (ATTENTION_IMPLS). norm: h is not normed yet (the projection
     norms it); residual: added to the output. See _layer for the other arguments."""
     det = impl == "deterministic"
-    total = _total(axis, det)
     b, t, _ = h.shape
     g = c.queries_per_kv
     qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row, det, norm), w.bqkv)  # j: g queries, key, value
@@ -304,17 +303,13 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
                               interpret=_interpret())
     else:
         attn = _xla_attention(c, q, keys, values, mask)
-    fuse = axis is None and w.bo is None  # the residual joins the projection itself
-    out = _add(total(_project("bthk,hkd->btd", attn, w.wo, pad_one_row, det, residual=residual if fuse else None)),
-               w.bo)
-    return out if fuse or residual is None else residual + out, cache_k, cache_v
+    return _summed_projection("bthk,hkd->btd", attn, w.wo, w.bo, pad_one_row, axis, det, residual), cache_k, cache_v
 
 
 def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool = False, norm: Norm | None = None,
               residual=None):
     """The gated MLP of normed inputs h [b, t, d] -> [b, t, d] (summed over axis). norm: h is not
     normed yet (the projection norms it); residual: added to the output."""
-    total = _total(axis, deterministic)
     if isinstance(w.w_gate_up, tuple) or w.b_gate_up is not None:  # separate (the CPU's) or biased: unfused
         if norm is not None:
             h = rms_norm(h, norm.weight, norm.eps, deterministic)
@@ -322,9 +317,15 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool =
         act = jax.nn.silu(gate) * up
     else:  # silu(gate) * up: the 8-bit kernels' epilogue
         act = _project("btd,dcf->btcf", h, w.w_gate_up, pad_one_row, deterministic, norm, gated=True)
-    fuse = axis is None and w.b_down is None
-    down = _project("btf,fd->btd", act, w.w_down, pad_one_row, deterministic, residual=residual if fuse else None)
-    out = _add(total(down), w.b_down)
+    return _summed_projection("btf,fd->btd", act, w.w_down, w.b_down, pad_one_row, axis, deterministic, residual)
+
+
+def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, deterministic: bool, residual):
+    """A layer's output projection: summed over the mesh axis, plus bias, plus residual (None:
+    none), which joins the projection itself where nothing comes between (no axis, no bias)."""
+    fuse = axis is None and bias is None
+    out = _project(spec, x, w, pad_one_row, deterministic, residual=residual if fuse else None)
+    out = _add(_total(axis, deterministic)(out), bias)
     return out if fuse or residual is None else residual + out
 
 
