@@ -2,7 +2,9 @@
 dequantized weights say, through XLA and through the kernel; speculation stays lossless with
 respect to the quantized target's own plain output; bad settings are refused by name."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -81,13 +83,14 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_say(quantized_p
 def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch, scheme):
     """The accelerators' path (their layout, layers unrolled and gate/up one matrix; the 8-bit
     kernels in interpret mode, with the gated MLP's product, the residual adds and (matvec) the
-    norms fused in) against XLA's, unfused: a six-token prefill (the matmul kernel), then one token
-    (fp8: the one-row matvec kernel)."""
+    norms fused in) against XLA's, unfused: a twelve-token prefill, then one token, each through
+    the kernel the engine's rows rule picks on a GPU (int8: the matmul kernel for both; fp8: XLA,
+    then the one-row matvec kernel)."""
     monkeypatch.setattr(layout, "scan_layers", lambda: False)
     monkeypatch.setattr(layout, "fuse_mlp", lambda: True)
     model = jaxspec.load(save_tiny(tmp_path / "tiny", "llama", {}), dtype="float32", quantize=scheme)
     assert not isinstance(model.weights.layers[0].w_gate_up, tuple)
-    tokens = jnp.asarray([[5, 9, 33, 7, 100, 42]], jnp.int32)
+    tokens = jnp.asarray([[5, 9, 33, 7, 100, 42, 8, 61, 2, 77, 19, 4]], jnp.int32)
 
     def run():
         cache = KVCache.create(model.config, 1, 64, jnp.float32, stacked=False)
@@ -104,9 +107,13 @@ def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch, schem
     assert "rsqrt" in top_level_ops(1) and "silu" in top_level_ops(1)
     monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(forward_module, "_interpret", lambda: True)  # the kernels, in interpret mode
-    kernel = "matvec" if scheme in forward_module.MATVEC_FORMATS else "matmul"
-    for t, kernel in ((1, kernel), (6, "matmul")):  # gated products in the kernels, norms in matvec's
+    picked = {t: forward_module._quantized_kernel(t, scheme, False) for t in (1, tokens.shape[1])}
+    assert picked == ({1: "matmul", 12: "matmul"} if scheme == "int8" else {1: "matvec", 12: "xla"})
+    for t, kernel in picked.items():  # gated products in the kernels, norms in matvec's
         ops = top_level_ops(t)
+        if kernel == "xla":
+            assert "silu" in ops and not {"matmul", "matvec"} & set(ops)
+            continue
         assert "silu" not in ops and ("rsqrt" in ops) == (kernel not in forward_module.NORM_FUSED_IN)
         assert ops.count(kernel) == 4 * model.config.num_layers + 1
     for got, want in zip(run(), xla):
@@ -229,3 +236,26 @@ def test_unsupported_fp8_layouts_are_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(jaxspec.InputError, match="stores its weights in fp8"):
         jaxspec.load(folder, quantize="int8")
+
+
+def test_rows_rule_script_parses_rules_and_names_a_bad_one(monkeypatch, capsys):
+    """scripts/bench_rows_rule.py (end-to-end measures of another 8-bit rows rule): its rules, and
+    the engine's own, are read first match, ending with a kernel for the remaining rows."""
+    path = Path(__file__).parents[1] / "scripts" / "bench_rows_rule.py"
+    spec = importlib.util.spec_from_file_location("bench_rows_rule", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.parse_rule("fp8=1:matvec,16:matmul,xla") == ("fp8", ((1, "matvec"), (16, "matmul"), (None, "xla")))
+    for bad, named in (("fp9=xla", "--rule must start with one of int8, fp8"), ("int8=1:matmul", "must end with"),
+                       ("int8=2:cublas,xla", "KERNEL in matvec, matmul, xla")):
+        with pytest.raises(ValueError, match=named):
+            script.parse_rule(bad)
+    for steps in forward_module.ROW_RULES.values():
+        assert steps[-1][0] is None and all(kernel in script.KERNELS for _, kernel in steps)
+    monkeypatch.setattr(forward_module, "ROW_RULES", dict(forward_module.ROW_RULES))
+    monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(SystemExit):  # the command's own --help, after the rule took effect
+        script.main(["--rule", "int8=4:xla,matvec", "--", "--help"])
+    assert "'int8': ((4, 'xla'), (None, 'matvec'))" in capsys.readouterr().out
+    assert [forward_module._quantized_kernel(r, "int8", False) for r in (1, 4, 5)] == ["xla", "xla", "matvec"]
+    assert forward_module._quantized_kernel(5, "int8", True) == "matmul"  # deterministic: one summation order

@@ -85,12 +85,16 @@ def _einsum(spec: str, a, b, **kwargs):
     return jnp.einsum(spec, a, b, precision=precision, **kwargs)
 
 
-# 8-bit weights on accelerators, by rows (H200, the 8B shape's projections; docs/quantization.md):
-# one row of fp8 takes the multiply-and-reduce kernel (the matmul kernel feeds a 16-row
-# tensor-core tile one real row; int8's was as fast there and stays); then the matmul kernel up
-# to KERNEL_MAX_ROWS; more, XLA on the converted values.
-MATVEC_FORMATS = ("fp8",)
-KERNEL_MAX_ROWS = {"int8": 64, "fp8": 16}  # at 32 rows XLA's fp8 product beat the kernel's, int8's not
+# 8-bit weights on accelerators, by rows: (most rows, kernel) in order, the first that holds.
+# H200, the 8B projections (docs/quantization.md): one row of fp8 the multiply-and-reduce kernel
+# (matvec); from two rows XLA's own GEMM with the conversion fused in beat the matmul kernel for
+# fp8 at every row count measured (2-32: a K=3 verify pass 3.74 -> 2.78 ms) and for int8 at 2-8
+# (the kernel at 16-64); one row of int8 the matmul kernel (matvec and XLA were slower);
+# prefills XLA. Deterministic mode runs the matmul kernel at every row count.
+ROW_RULES = {
+    "int8": ((1, "matmul"), (8, "xla"), (64, "matmul"), (None, "xla")),
+    "fp8": ((1, "matvec"), (None, "xla")),
+}
 # The 8-bit kernels that take the gated MLP's product and the residual adds into their epilogue,
 # and those that take the RMS norm before a projection into their loop (pallas_kernels/fused.py):
 # XLA fuses them into its own GEMMs, a Pallas call takes none. Never in deterministic mode.
@@ -108,22 +112,21 @@ class Norm(NamedTuple):
 
 
 def _quantized_kernel(rows: int, fmt: str, deterministic: bool) -> str:
-    """Which kernel computes `rows` rows of 8-bit weights: "matvec", "matmul" or "xla"."""
-    on_accelerator = jax.default_backend() != "cpu"
-    if not deterministic and on_accelerator and rows == 1 and fmt in MATVEC_FORMATS:
-        return "matvec"
-    if deterministic or (on_accelerator and rows <= KERNEL_MAX_ROWS[fmt]):
+    """Which kernel computes `rows` rows of 8-bit weights: "matvec", "matmul" or "xla" (ROW_RULES)."""
+    if deterministic:
         return "matmul"
-    return "xla"
+    if jax.default_backend() == "cpu":
+        return "xla"
+    return next(kernel for most, kernel in ROW_RULES[fmt] if most is None or rows <= most)
 
 
 def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False, norm: Norm | None = None,
                gated: bool = False, residual=None):
     """x [..., q's contracted axes] @ q -> [..., q's output axes] in out_dtype (default x's): float32
     sums of x times the 8-bit values (exact in x's dtype), then the scales. On accelerators the
-    8-bit kernels up to KERNEL_MAX_ROWS rows (one row of MATVEC_FORMATS: matvec), XLA on the converted
-    values above (prefills are compute-bound) and on the CPU; deterministic: the matmul kernel
-    for every row count, whose sums have one order (on the CPU in interpret mode).
+    8-bit kernels or XLA on the converted values by rows (ROW_RULES; prefills are compute-bound:
+    XLA), XLA on the CPU; deterministic: the matmul kernel for every row count, whose sums have
+    one order (on the CPU in interpret mode).
 
     norm: x is RMS-normed first; gated: q is the fused gate/up ([d, 2, f]) and the result
     silu(gate) * up [..., f]; residual: added to the result. The kernels fuse them (NORM_FUSED_IN
