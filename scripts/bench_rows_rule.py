@@ -16,8 +16,6 @@ import sys
 from jaxspec.cli import main as jaxspec_main
 from jaxspec.model import forward
 
-KERNELS = ("matvec", "matmul", "xla")
-
 
 def parse_rule(text: str) -> tuple[str, tuple]:
     """"fp8=1:matvec,xla" -> ("fp8", ((1, "matvec"), (None, "xla")))."""
@@ -27,9 +25,9 @@ def parse_rule(text: str) -> tuple[str, tuple]:
     steps = []
     for item in body.split(","):
         most, _, kernel = item.rpartition(":")
-        if kernel not in KERNELS or (most and not most.isdigit()):
-            raise ValueError(f"--rule step must be MOST:KERNEL or KERNEL with KERNEL in {', '.join(KERNELS)}; "
-                             f"got {item!r}")
+        if kernel not in forward.QUANTIZED_KERNELS or (most and not most.isdigit()):
+            kernels = ", ".join(forward.QUANTIZED_KERNELS)
+            raise ValueError(f"--rule step must be MOST:KERNEL or KERNEL with KERNEL in {kernels}; got {item!r}")
         steps.append((int(most) if most else None, kernel))
     if steps[-1][0] is not None:
         raise ValueError(f"--rule must end with a kernel for the remaining rows (no MOST); got {text!r}")

@@ -251,11 +251,11 @@ def test_rows_rule_script_parses_rules_and_names_a_bad_one(monkeypatch, capsys):
         with pytest.raises(ValueError, match=named):
             script.parse_rule(bad)
     for steps in forward_module.ROW_RULES.values():
-        assert steps[-1][0] is None and all(kernel in script.KERNELS for _, kernel in steps)
+        assert steps[-1][0] is None and all(kernel in forward_module.QUANTIZED_KERNELS for _, kernel in steps)
     monkeypatch.setattr(forward_module, "ROW_RULES", dict(forward_module.ROW_RULES))
     monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
     with pytest.raises(SystemExit):  # the command's own --help, after the rule took effect
-        script.main(["--rule", "int8=4:xla,matvec", "--", "--help"])
-    assert "'int8': ((4, 'xla'), (None, 'matvec'))" in capsys.readouterr().out
-    assert [forward_module._quantized_kernel(r, "int8", False) for r in (1, 4, 5)] == ["xla", "xla", "matvec"]
-    assert forward_module._quantized_kernel(5, "int8", True) == "matmul"  # deterministic: one summation order
+        script.main(["--rule", "int8=1:matvec,4:xla,matmul", "--", "--help"])
+    assert "'int8': ((1, 'matvec'), (4, 'xla'), (None, 'matmul'))" in capsys.readouterr().out
+    assert [forward_module._quantized_kernel(r, "int8", False) for r in (1, 4, 5)] == ["matvec", "xla", "matmul"]
+    assert forward_module._quantized_kernel(1, "int8", True) == "matmul"  # deterministic: one summation order

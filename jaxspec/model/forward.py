@@ -91,6 +91,7 @@ def _einsum(spec: str, a, b, **kwargs):
 # fp8 at every row count measured (2-32: a K=3 verify pass 3.74 -> 2.78 ms) and for int8 at 2-8
 # (the kernel at 16-64); one row of int8 the matmul kernel (matvec and XLA were slower);
 # prefills XLA. Deterministic mode runs the matmul kernel at every row count.
+QUANTIZED_KERNELS = ("matvec", "matmul", "xla")
 ROW_RULES = {
     "int8": ((1, "matmul"), (8, "xla"), (64, "matmul"), (None, "xla")),
     "fp8": ((1, "matvec"), (None, "xla")),
@@ -112,7 +113,7 @@ class Norm(NamedTuple):
 
 
 def _quantized_kernel(rows: int, fmt: str, deterministic: bool) -> str:
-    """Which kernel computes `rows` rows of 8-bit weights: "matvec", "matmul" or "xla" (ROW_RULES)."""
+    """Which of QUANTIZED_KERNELS computes `rows` rows of 8-bit weights (ROW_RULES)."""
     if deterministic:
         return "matmul"
     if jax.default_backend() == "cpu":
