@@ -6,7 +6,9 @@ scripts/matmul_sweep.py times (copies of the weights in one jitted loop, best of
     python3 scripts/xla_8bit_conversions.py [--rows 4 32]
 
 s8: int8 astype; s8-f32 / s8-f16: through float32 / float16; s8-magic: (v xor 0x80) | 0x6400 as
-float16, minus 1152; fp8: bitcast to float8_e4m3fn then astype; kernel-*: pallas_kernels/matmul.py.
+float16, minus 1152; fp8: bitcast to float8_e4m3fn then astype; fp8-w8a8: the rows quantized to
+e4m3 too (a float32 scale per row) and an fp8 x fp8 dot with float32 sums (vLLM's FP8 on Hopper
+and MI300), not what the engine runs; kernel-*: pallas_kernels/matmul.py.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ def xla(convert):
     return product
 
 
+def w8a8(x, w, scale):
+    """Activations quantized per row to e4m3 (amax / 448), then the fp8 x fp8 product."""
+    f8 = jnp.float8_e4m3fn
+    row_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True), 1e-12) / 448.0
+    x8 = (x.astype(jnp.float32) / row_scale).astype(f8)
+    y = jnp.einsum("mk,nk->mn", x8, lax.bitcast_convert_type(w, f8), preferred_element_type=jnp.float32)
+    return (y * row_scale * scale).astype(x.dtype)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b")
@@ -58,6 +69,8 @@ def main(argv=None) -> int:
                 for kind, convert in CONVERSIONS.items():
                     if kind.startswith("s8") == (fmt == "int8"):
                         us[kind] = timed(xla(convert), w, x, scale, 3) * 1e6
+                if fmt == "fp8":
+                    us["fp8-w8a8"] = timed(w8a8, w, x, scale, 3) * 1e6
                 us[f"kernel-{fmt}"] = timed(lambda x, w, s, fmt=fmt: matmul(x, w, s, fmt=fmt, w_nk=True), w, x, scale,
                                             3) * 1e6
             print(rows, name, " ".join(f"{kind}={t:.1f}" for kind, t in us.items()), flush=True)
