@@ -19,6 +19,7 @@ from tiny_models import TINY, save_tiny
 import jaxspec
 import jaxspec.model.layout
 from jaxspec.cli import build_parser, job_settings
+from jaxspec.bench.scale import forward_loop
 from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import JobSettings
@@ -245,7 +246,9 @@ def test_the_scale_bench_times_deterministic_mode_and_refuses_its_trees(tmp_path
     (plain,) = json.loads(out.read_text())["rows"]
     assert plain["part"] == "plain" and plain["ms_per_step"] > 0
     assert cli_main([*args, "--parts", "forward", "--verify-sizes", "1", "--trees", "binary-3"]) == 2
-    assert "chains only" in capsys.readouterr().err
+    assert "--trees: deterministic mode verifies chains only" in capsys.readouterr().err  # before any timing
+    with pytest.raises(InputError, match="chains only"):  # the timed loop itself, for other callers
+        forward_loop(None, 1, 32, np.ones((3, 3), bool), "deterministic", 1)
 
 
 def test_the_command_line_passes_deterministic_to_generate_and_batch_jobs():

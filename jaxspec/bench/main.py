@@ -167,6 +167,9 @@ def bench_hf(ids, model, assistant, batch: int, max_new: int, repeats: int, eos_
 def run_bench(args) -> int:
     compile_cache.disable()  # the compile seconds it reports are first compiles, never disk reads
     if args.deterministic:  # every path below resolves args.attention
+        if args.trees:  # refused before anything is loaded or timed
+            raise InputError(f"--trees: deterministic mode verifies chains only; time trees without --deterministic "
+                             f"(got {args.trees!r})")
         args.attention = resolve_attention(args.attention, True)
     if args.shape:
         args.batch_sizes = args.batch_sizes or [1, 8, 32, 64]
