@@ -103,19 +103,22 @@ def test_the_head_layer_matches_a_torch_transcription_of_sglang(head, target):
     np.testing.assert_allclose(np.asarray(got_logits), logits.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def _reference_distributions(head, target, layers, seq, drafts):
-    """The head's distributions over the target's vocabulary for each of `drafts` after committed
-    tokens seq (s[n-1] pending), from scratch: the target's features of seq[:-1], every pair
-    through the head in one pass, then one step per draft on its own output."""
+def _reference_start(head, target, layers, seq):
+    """The head from scratch after committed tokens seq (s[n-1] pending): the target's features of
+    seq[:-1], then every pair through the head in one pass -> (logits, h, head cache)."""
     w, c = head.weights, head.config
-    n = len(seq)
     cache = KVCache.create(target.config, 1, 256, jnp.float32)
     _, _, feats = forward(target.weights, target.config, jnp.asarray([seq[:-1]]), cache, features_at=layers)
-    hcache = head_cache(c, 1, 256, jnp.float32)
     logits, out, hcache = head_forward(w, c, target.weights.embed, jnp.asarray([seq[1:]]), fuse_features(w, feats),
-                                       hcache)
-    logits, h = logits[:, -1], out[:, -1:]
-    hcache = hcache.replace(lengths=jnp.asarray([n - 1]))
+                                       head_cache(c, 1, 256, jnp.float32))
+    return logits[:, -1], out[:, -1:], hcache.replace(lengths=jnp.asarray([len(seq) - 1]))
+
+
+def _reference_distributions(head, target, start, drafts):
+    """The head's distributions over the target's vocabulary for each of `drafts` from `start`
+    (_reference_start): one step per draft on its own output."""
+    w, c = head.weights, head.config
+    logits, h, hcache = start
     qs = []
     for token in drafts:
         qs.append(jnp.zeros(c.layer.vocab_size).at[w.d2t].set(jax.nn.softmax(logits[0])))
@@ -151,9 +154,10 @@ def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, targ
                   "xla")
         drafts, q, state = drafter.propose(params, state, r)
         drafts = [int(x) for x in drafts[0]]
+        start = _reference_start(head, target, layers, text[:n])  # what every node's reference starts from
         for node in range(1, t):  # its ancestors below the root, then itself
             line = [a for a in range(1, t) if ancestor_mask(plan.parents)[node, a]]
-            want = _reference_distributions(head, target, layers, text[:n], [drafts[a] for a in line])
+            want = _reference_distributions(head, target, start, [drafts[a] for a in line])
             np.testing.assert_allclose(np.asarray(q[0, node - 1]), np.asarray(want[-1]), atol=1e-5)
         # The target verified [s[n-1], K tokens of the text]; the first `accepted` count as drafts.
         cache = KVCache.create(target.config, 1, 64, jnp.float32)
