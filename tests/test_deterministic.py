@@ -18,8 +18,8 @@ from tiny_models import TINY, save_tiny
 
 import jaxspec
 import jaxspec.model.layout
-from jaxspec.cli import build_parser, job_settings
 from jaxspec.bench.scale import forward_loop
+from jaxspec.cli import build_parser, job_settings
 from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import JobSettings
