@@ -82,9 +82,9 @@ def test_fusions_match_the_float32_reference(fmt, m, split_k, fusions):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
-def test_block_k_follows_the_programs():
-    """8B: q/k/v (768 programs of 8 columns) and gate/up 512; o and down (512 programs) 1024."""
-    assert [default_block_k(n // 8) for n in (6144, 28672, 4096)] == [512, 512, 1024]
+def test_block_k_follows_the_row_length():
+    """8B: q/k/v, o and gate/up (rows of 4096) 1024; down (14336) 2048."""
+    assert [default_block_k(k) for k in (4096, 8192, 14336)] == [1024, 1024, 2048]
 
 
 @pytest.mark.parametrize("x_shape, w, kwargs, message", [
