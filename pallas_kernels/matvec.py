@@ -9,7 +9,7 @@ Layout (as pallas_kernels/matmul.py with w_nk):
 
 Grid (n / block_n, split_k): each program reads a [block_n, k / split_k] panel of w in
 [block_n, block_k] tiles, converts each weight once to float32 in registers, sums each CHUNK
-neighbouring products (a thread's own 16-byte load: no data crosses threads) and keeps those
+neighbouring products (meant to stay within a thread's own 16-byte load) and keeps those
 float32 sums ([block_n, block_k / CHUNK] per row), reduced across k once at the end: no
 tensor-core tile, no per-step cross-thread reduction. (A sum per weight position instead took
 80-122 registers a thread and a quarter to a third of the GPU's warps: 37.3 against 33.6 us for
