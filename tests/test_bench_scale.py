@@ -44,8 +44,8 @@ def test_random_weights_have_the_layout_of_a_loaded_checkpoint(tmp_path, name):
         assert a.shape == b.shape and a.dtype == b.dtype
 
 
-# Timing: ms per round is decode time less a separately timed prefill, which a second test
-# worker on the same two cores can push below zero (seen once in CI at repeats 1).
+# Timing: ms per step and per round are decode time less a separately timed prefill (the best of
+# at least 5 calls since one slow call pushed a step below zero in CI at repeats 1).
 def _tiny_bench(tmp_path, *args) -> dict:
     """`jaxspec bench --shape tiny` at one short row per setting, plus args: its JSON result."""
     out = tmp_path / "bench.json"

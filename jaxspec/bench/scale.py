@@ -161,15 +161,22 @@ def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return rng.integers(1, vocab, (batch, length)).tolist()
 
 
+# A prefill is one forward pass: timing it at least this many times costs little, and the step
+# times subtract it from whole decodes, where one slow sample of it (repeats 1, a tiny shape on
+# the 2-core CI machine) made a step's time negative.
+PREFILL_REPEATS = 5
+
+
 def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int, attention: str = "xla") -> float:
     """Seconds of the prefill that generate() runs for these prompts (same shapes; attention: the
-    call's, since deterministic mode prefills with its own kernels)."""
+    call's, since deterministic mode prefills with its own kernels): the best of at least
+    PREFILL_REPEATS calls."""
     reqs = build_requests(prompts, model, max_new, 0.0, 0, 1.0, 0)
     prompt_len = bucket(max(len(p) for p in prompts))
     batch = make_batch(reqs, bucket(len(prompts), 1), prompt_len, model.config.pad_token_id)
     cap = cache_capacity(prompt_len, bucket(max_new), slack)
     f = jax.jit(functools.partial(prefill, config=model.config, capacity=cap, dtype=model.dtype, attention=attention))
-    return best_seconds(lambda: jax.block_until_ready(f(model.weights, batch=batch)), repeats)
+    return best_seconds(lambda: jax.block_until_ready(f(model.weights, batch=batch)), max(repeats, PREFILL_REPEATS))
 
 
 def _kv_bytes(model, batch: int, length: float) -> float:
