@@ -42,22 +42,32 @@ FORMATS = ("int8", "fp8")
 
 
 INT8_MAGIC = 0x4B000080  # float32 bits of 2^23 + 128; the low byte holds an int8's bits xor 0x80
+# The same trick in PTX, four weights (one 32-bit register) an instance: one xor flips the four
+# sign bits, each prmt puts one byte under the bytes 00 00 4B, a subtraction makes it exact.
+INT8_PTX = "\n".join(
+    ["{", ".reg .b32 t;", "xor.b32 t, $4, 0x80808080;"]
+    + [f"prmt.b32 ${i}, t, 0x4B000000, 0x754{i};" for i in range(4)]
+    + [f"sub.f32 ${i}, ${i}, 0f4B000080;" for i in range(4)] + ["}"])
 
 
-def _to_f32(w, fmt: str, native_fp8: bool):
+def _to_f32(w, fmt: str, native: bool):
     """8-bit weights as float32, exactly. int8: its bits xor 0x80 (v + 128) as the low mantissa
     byte of 2^23 + 128, minus 2^23 + 128 (integer and add work: on the H200 faster than the
-    conversion instruction). fp8: the GPU's fp8 conversion where native_fp8, else the bit decode
-    (the value / 2^8)."""
+    conversion instruction), in PTX where native (CUDA). fp8: the GPU's fp8 conversion where
+    native, else the bit decode (the value / 2^8)."""
+    if fmt == "int8" and native:
+        [out] = plt.elementwise_inline_asm(INT8_PTX, args=[w], constraints="=r,=r,=r,=r,r", pack=4,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])
+        return out
     if fmt == "int8":
         bits = lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.int32) ^ INT8_MAGIC
         return lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(2.0 ** 23 + 128)
-    if native_fp8:
+    if native:
         return lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float32)
     return _fp8_bits_to_f16(w).astype(jnp.float32)
 
 
-def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, native_fp8: bool, split: bool,
+def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, native: bool, split: bool,
                    normed: bool = False, gated: bool = False, residual: bool = False, k_total: int = 0,
                    eps: float = 0.0):
     refs = list(rest)
@@ -75,7 +85,7 @@ def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, n
     def step(i, carry):
         accs, squares = carry
         at = pl.multiple_of(i * block_k, block_k)
-        ws = [_to_f32(w_ref[h, :, pl.ds(at, block_k)] if gated else w_ref[:, pl.ds(at, block_k)], fmt, native_fp8)
+        ws = [_to_f32(w_ref[h, :, pl.ds(at, block_k)] if gated else w_ref[:, pl.ds(at, block_k)], fmt, native)
               for h in range(halves)]
         xs = [x_ref[r, pl.ds(at, block_k)].astype(jnp.float32) for r in range(m)]
         if normed:  # squares by chunk, summed at the end; x scaled by the norm weight
@@ -168,11 +178,11 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
         out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
 
     def on(platform):
-        native = fmt == "fp8" and platform in NATIVE_FP8
+        native = platform in NATIVE_FP8  # CUDA: fp8's own conversion instruction, int8's PTX
         s = scale.astype(jnp.float32) * (FP8_SHIFT if fmt == "fp8" and not native else 1.0)
         s = s.reshape(2, n_out) if gated else s
         call = pl.pallas_call(
-            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native_fp8=native, split=split,
+            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native=native, split=split,
                               normed=norm is not None, gated=gated, residual=residual is not None and not split,
                               k_total=k, eps=eps),
             grid=(n_out // block_n, split_k),

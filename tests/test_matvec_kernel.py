@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from pallas_kernels.matmul import fused_reference
-from pallas_kernels.matvec import MAX_ROWS, _to_f32, default_block_k, matvec, matvec_reference
+from pallas_kernels.matvec import INT8_PTX, MAX_ROWS, _to_f32, default_block_k, matvec, matvec_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -125,10 +125,43 @@ def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, fused):
     assert "__gpu$xla.gpu.triton" in text and f"matvec_{fmt}" in text
 
 
-def test_only_cudas_fp8_kernel_differs_from_rocms():
-    """CUDA's fp8 kernel converts with the GPU's fp8 cast, ROCm's decodes the bits; int8's are one."""
+def test_cuda_converts_with_its_own_instructions_and_rocm_portably():
+    """CUDA's fp8 kernel converts with the GPU's fp8 cast and its int8 kernel with INT8_PTX; ROCm's
+    decode the bits with plain integer and float work."""
     def ir(platform, device_kind, fmt):
         (found,) = re.findall(r'ir = "(.*?)"', _lowered(platform, device_kind, fmt))
         return found
-    assert ir("rocm", "gfx942", "int8") == ir("cuda", "NVIDIA H200", "int8")
+    assert "prmt.b32" in ir("cuda", "NVIDIA H200", "int8") and "prmt.b32" not in ir("rocm", "gfx942", "int8")
     assert ir("rocm", "gfx942", "fp8") != ir("cuda", "NVIDIA H200", "fp8")
+
+
+def _run_int8_ptx(word: int) -> list[float]:
+    """INT8_PTX's instructions (xor, prmt, sub.f32 only) on one 32-bit register, as PTX defines
+    them: prmt picks each result byte from the eight bytes of {b, a} by one selector nibble."""
+    regs = {"$4": word}
+    as_f32 = lambda bits: float(np.array([bits], np.uint32).view(np.float32)[0])
+    value = lambda s: int(s, 16) if s.startswith("0x") else regs[s]
+    for line in INT8_PTX.replace(";", "").splitlines():
+        op, *args = line.replace(",", " ").split()
+        if op == "xor.b32":
+            regs[args[0]] = value(args[1]) ^ value(args[2])
+        elif op == "prmt.b32":
+            pool = value(args[1]) | value(args[2]) << 32
+            sel = value(args[3])
+            regs[args[0]] = sum(((pool >> 8 * (sel >> 4 * i & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif op == "sub.f32":
+            const = np.array([int(args[2][2:], 16)], np.uint32).view(np.float32)[0]
+            regs[args[0]] = int(np.array([np.float32(as_f32(regs[args[1]])) - const], np.float32).view(np.uint32)[0])
+        else:
+            assert op in ("{", "}", ".reg"), op
+    return [as_f32(regs[f"${i}"]) for i in range(4)]
+
+
+def test_int8_ptx_gives_each_of_four_weights_its_exact_value():
+    """Every int8 value in every byte of the register (little-endian: byte i is weight i)."""
+    values = np.arange(-128, 128)
+    for shift in range(4):
+        for chunk in np.split(values, 64):
+            word = int(np.array(np.roll(np.resize(chunk, 4), shift), np.int8).view(np.uint32)[0])
+            expected = np.array([word], np.uint32).view(np.int8).astype(float).tolist()
+            assert _run_int8_ptx(word) == expected

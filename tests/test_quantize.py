@@ -84,8 +84,8 @@ def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch, schem
     """The accelerators' path (their layout, layers unrolled and gate/up one matrix; the 8-bit
     kernels in interpret mode, with the gated MLP's product, the residual adds and (matvec) the
     norms fused in) against XLA's, unfused: a twelve-token prefill, then one token, each through
-    the kernel the engine's rows rule picks on a GPU (int8: the matmul kernel for both; fp8: XLA,
-    then the one-row matvec kernel)."""
+    the kernel the engine's rows rule picks on a GPU (int8: the matmul kernel, then the one-row
+    matvec kernel; fp8: XLA, then matvec)."""
     monkeypatch.setattr(layout, "scan_layers", lambda: False)
     monkeypatch.setattr(layout, "fuse_mlp", lambda: True)
     model = jaxspec.load(save_tiny(tmp_path / "tiny", "llama", {}), dtype="float32", quantize=scheme)
@@ -108,7 +108,7 @@ def test_the_kernel_path_gives_the_xla_paths_logits(tmp_path, monkeypatch, schem
     monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(forward_module, "_interpret", lambda: True)  # the kernels, in interpret mode
     picked = {t: forward_module._quantized_kernel(t, scheme, False) for t in (1, tokens.shape[1])}
-    assert picked == ({1: "matmul", 12: "matmul"} if scheme == "int8" else {1: "matvec", 12: "xla"})
+    assert picked == {1: "matvec", 12: "matmul" if scheme == "int8" else "xla"}
     for t, kernel in picked.items():  # gated products in the kernels, norms in matvec's
         ops = top_level_ops(t)
         if kernel == "xla":

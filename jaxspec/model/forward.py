@@ -89,11 +89,12 @@ def _einsum(spec: str, a, b, **kwargs):
 # H200, the 8B projections (docs/quantization.md): one row of fp8 the multiply-and-reduce kernel
 # (matvec); from two rows XLA's own GEMM with the conversion fused in beat the matmul kernel for
 # fp8 at every row count measured (2-32: a K=3 verify pass 3.74 -> 2.78 ms) and for int8 at 2-8
-# (the kernel at 16-64); one row of int8 the matmul kernel (matvec and XLA were slower);
+# (the kernel at 16-64); one row of int8 matvec since its conversion went to PTX (2.71 ms a step
+# against 2.96 on the matmul kernel: the same projection times, plus matvec's fused norms);
 # prefills XLA. Deterministic mode runs the matmul kernel at every row count.
 QUANTIZED_KERNELS = ("matvec", "matmul", "xla")
 ROW_RULES = {
-    "int8": ((1, "matmul"), (8, "xla"), (64, "matmul"), (None, "xla")),
+    "int8": ((1, "matvec"), (8, "xla"), (64, "matmul"), (None, "xla")),
     "fp8": ((1, "matvec"), (None, "xla")),
 }
 # The 8-bit kernels that take the gated MLP's product and the residual adds into their epilogue,
