@@ -202,6 +202,7 @@ def test_kernels_lower_ahead_of_time(platform, device_kind, s):
             assert "causal_attention_merge" in text
 
 
+@pytest.mark.multi_device
 def test_a_split_target_is_deterministic_too(tmp_path):
     """Split two ways (the accelerators' layout: layers unrolled, gate/up fused), the o and down
     products' parts are added in shard order: a prompt's tokens alone equal its tokens in a

@@ -15,7 +15,7 @@ from jaxspec.decoding.method import DecodeMethod
 from jaxspec.model.checkpoint import convert_hf_checkpoint
 from jaxspec.serving.runner import run
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.multi_device]
 HF = CHECKPOINTS / "hf"
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n\ndef mean(xs):\n    ", "class Stack:\n    def push(self, x):"]
 
