@@ -48,6 +48,7 @@ INT8_PTX = "\n".join(
     ["{", ".reg .b32 t;", "xor.b32 t, $4, 0x80808080;"]
     + [f"prmt.b32 ${i}, t, 0x4B000000, 0x754{i};" for i in range(4)]
     + [f"sub.f32 ${i}, ${i}, 0f4B000080;" for i in range(4)] + ["}"])
+PTX_PLATFORMS = ("cuda",)  # where Triton takes inline PTX (int8's conversion above)
 
 
 def _to_f32(w, fmt: str, native: bool):
@@ -178,7 +179,7 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
         out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
 
     def on(platform):
-        native = platform in NATIVE_FP8  # CUDA: fp8's own conversion instruction, int8's PTX
+        native = platform in (NATIVE_FP8 if fmt == "fp8" else PTX_PLATFORMS)  # the platform's own instructions
         s = scale.astype(jnp.float32) * (FP8_SHIFT if fmt == "fp8" and not native else 1.0)
         s = s.reshape(2, n_out) if gated else s
         call = pl.pallas_call(
@@ -203,7 +204,7 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
 
     if interpret:
         return on("interpret")(x, w, *fusions)
-    return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in NATIVE_FP8})
+    return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in set(NATIVE_FP8) | set(PTX_PLATFORMS)})
 
 
 def matvec_reference(x, w, scale, fmt: str):
