@@ -204,7 +204,8 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
 
     if interpret:
         return on("interpret")(x, w, *fusions)
-    return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in set(NATIVE_FP8) | set(PTX_PLATFORMS)})
+    own = set(NATIVE_FP8) | set(PTX_PLATFORMS)
+    return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in own})
 
 
 def matvec_reference(x, w, scale, fmt: str):
