@@ -178,8 +178,10 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
         out_spec = pl.BlockSpec((rows, block_n), lambda j, p: (0, j))
         out_shape = jax.ShapeDtypeStruct((m, n_out), out_dtype)
 
+    own = NATIVE_FP8 if fmt == "fp8" else PTX_PLATFORMS  # platforms converting with their own instructions
+
     def on(platform):
-        native = platform in (NATIVE_FP8 if fmt == "fp8" else PTX_PLATFORMS)  # the platform's own instructions
+        native = platform in own
         s = scale.astype(jnp.float32) * (FP8_SHIFT if fmt == "fp8" and not native else 1.0)
         s = s.reshape(2, n_out) if gated else s
         call = pl.pallas_call(
@@ -204,7 +206,6 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
 
     if interpret:
         return on("interpret")(x, w, *fusions)
-    own = set(NATIVE_FP8) | set(PTX_PLATFORMS)
     return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in own})
 
 
