@@ -6,7 +6,9 @@ scripts/matmul_sweep.py times (copies of the weights in one jitted loop, best of
     python3 scripts/xla_8bit_conversions.py [--rows 4 32]
 
 s8: int8 astype; s8-f32 / s8-f16: through float32 / float16; s8-magic: (v xor 0x80) | 0x6400 as
-float16, minus 1152; fp8: bitcast to float8_e4m3fn then astype; fp8-w8a8: the rows quantized to
+float16, minus 1152; fp8: bitcast to float8_e4m3fn then astype; fp8-f16: the rows and the
+weights as float16 (e4m3 -> float16 is one instruction for two weights on Hopper, -> bf16 is not);
+fp8-w8a8: the rows quantized to
 e4m3 too (a float32 scale per row) and an fp8 x fp8 dot with float32 sums (vLLM's FP8 on Hopper
 and MI300), not what the engine runs; kernel-*: pallas_kernels/matmul.py.
 """
@@ -41,6 +43,13 @@ def xla(convert):
     return product
 
 
+def f16_rows(x, w, scale):
+    """Rows and weights as float16, float32 sums (rows past 65504 would overflow: a measurement)."""
+    wf = lax.bitcast_convert_type(w, jnp.float8_e4m3fn).astype(jnp.float16)
+    y = jnp.einsum("mk,nk->mn", x.astype(jnp.float16), wf, preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
 def w8a8(x, w, scale):
     """Activations quantized per row to e4m3 (amax / 448), then the fp8 x fp8 product."""
     f8 = jnp.float8_e4m3fn
@@ -70,6 +79,7 @@ def main(argv=None) -> int:
                     if kind.startswith("s8") == (fmt == "int8"):
                         us[kind] = timed(xla(convert), w, x, scale, 3) * 1e6
                 if fmt == "fp8":
+                    us["fp8-f16"] = timed(f16_rows, w, x, scale, 3) * 1e6
                     us["fp8-w8a8"] = timed(w8a8, w, x, scale, 3) * 1e6
                 us[f"kernel-{fmt}"] = timed(lambda x, w, s, fmt=fmt: matmul(x, w, s, fmt=fmt, w_nk=True), w, x, scale,
                                             3) * 1e6
