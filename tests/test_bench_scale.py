@@ -151,11 +151,18 @@ def test_matmul_bits_script_finds_no_setting_that_changes_a_bit_in_interpret_mod
     assert len(rows) == 2 * 11 and all("| 0 / " in line for line in rows)
 
 
-def test_matmul_sweep_script_times_the_one_row_kernel_in_interpret_mode(capsys, tmp_path):
-    path = Path(__file__).parents[1] / "scripts" / "matmul_sweep.py"
-    spec = importlib.util.spec_from_file_location("matmul_sweep", path)
+def _script(name: str, monkeypatch):
+    """scripts/<name>.py as a module, the scripts folder importable as when it runs."""
+    scripts = Path(__file__).parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_matmul_sweep_script_times_the_one_row_kernel_in_interpret_mode(capsys, tmp_path, monkeypatch):
+    module = _script("matmul_sweep", monkeypatch)
     out = tmp_path / "sweep.jsonl"
     module.main(["--shape", "tiny", "--interpret", "--kernel", "matvec", "--rows", "1", "--formats", "fp8",
                  "--projections", "wo", "--block-n", "8", "--block-k", "64", "--split-k", "1", "2", "--layouts", "nk",
@@ -168,10 +175,6 @@ def test_matmul_sweep_script_times_the_one_row_kernel_in_interpret_mode(capsys, 
 
 def test_the_mosaic_splitk_script_lowers_for_cuda_ahead_of_time(monkeypatch, capsys):
     """The Mosaic GPU measurement script (Hopper only) still lowers with this JAX, without a GPU."""
-    scripts = Path(__file__).parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    spec = importlib.util.spec_from_file_location("mosaic_splitk_sweep", scripts / "mosaic_splitk_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("mosaic_splitk_sweep", monkeypatch)
     assert module.main(["--lower"]) == 0
     assert capsys.readouterr().out.splitlines() == ["int8: lowered for CUDA", "fp8: lowered for CUDA"]
