@@ -6,15 +6,20 @@ Computes, for the t tree nodes of each row, attention over
 in one pass with an online softmax, GQA (the query heads of one kv head share each K/V load),
 bf16 or float32 inputs and float32 accumulation.
 
-Layout (every operand is read where it lies: no transposes or pads around the call):
-  q        [b, t, h, d]   tree queries (RoPE applied), h = n * g
+Layout (every operand is read where it lies: no transposes, pads or slices around the call):
+  q        [b, t, h, d]   tree queries (RoPE applied), h = n * g; or [b, t, n, G, d] with kv head
+                          i's g queries at [:, :, i, :g] (a fused projection's output, G >= g)
   k_cache  [b, s, n, d]   one layer of the KV cache (slots past lengths[b] are ignored)
   v_cache  [b, s, n, d]
-  tree_k   [b, t, n, d]   the tree nodes' own keys / values
-  tree_v   [b, t, n, d]
+  tree_k   [b, t, n, d]   the tree nodes' own keys / values; or [b, t, n, E, d] with them at
+  tree_v   [b, t, n, d]   index k_index / v_index of axis 3 (again a fused projection's output)
   lengths  [b] int32      committed prefix length per row (0 allowed)
   tree_mask [t, t] bool   tree_mask[i, j]: node i may attend to node j (ancestor or self)
-  -> out   [b, t, h, d]   in q's dtype
+  -> out   [b, t, h, d]   in the cache's dtype
+With write_cache the kernel also stores the tree's keys and values into the caches at slots
+lengths[b] + [0, t) (slots past s are dropped), in place, and returns the caches too: a decode
+step then needs no slice or scatter kernels around the attention (at batch 32 on the H200 those
+were four launches a layer, docs/quantization.md).
 
 Grid: (b, n * head blocks, prefix splits). A program takes `gb` query heads of one kv head for
 all t nodes (blocks span tb = t rounded up to a power of two; loads and stores past t are
@@ -66,16 +71,35 @@ def _node_rows(tb: int, t: int, ndim: int):
     return (jnp.arange(tb) < t).reshape((tb,) + (1,) * (ndim - 1))
 
 
+def _write_tree(tk_ref, tv_ref, kc_ref, vc_ref, length, t: int):
+    """Stores the t nodes' keys and values at cache slots length + [0, t), one slot at a time
+    (a slot past the cache is masked, so interpret mode's clamped slices write nothing there)."""
+    cache_len, d = kc_ref.shape
+
+    def node(i, _):
+        slot = length + i
+        keep = jnp.full((1, d), slot < cache_len)
+        for src, dst in ((tk_ref, kc_ref), (tv_ref, vc_ref)):
+            plt.store(dst.at[pl.ds(slot, 1), :], src[pl.ds(i, 1), :].astype(dst.dtype), mask=keep)
+
+    lax.fori_loop(0, t, node, None)
+
+
 def _attend_kernel(
     lengths_ref, q_ref, k_ref, v_ref, tk_ref, tv_ref, mask_ref,  # inputs
-    *out_refs,  # out (one split) or (partial out, log-sum-exp)
+    *out_refs,  # out (one split) or (partial out, log-sum-exp); then the caches with write_cache
     scale: float, block_k: int, split_len: int, t: int, tb: int, gb: int, num_splits: int,
+    write_cache: bool, blocks_per_kv_head: int,
 ):
     split = pl.program_id(2)
     length = lengths_ref[0]
+    if write_cache:  # the first program of each (row, kv head) writes its tree's keys and values
+        *out_refs, kc_ref, vc_ref = out_refs
+        first = (pl.program_id(1) % blocks_per_kv_head == 0) & (split == 0)
+        pl.when(first)(lambda: _write_tree(tk_ref, tv_ref, kc_ref, vc_ref, length, t))
     d = q_ref.shape[-1]
     rows = tb * gb
-    q = plt.load(q_ref, mask=_node_rows(tb, t, 3), other=0.0).reshape(rows, d)
+    q = plt.load(q_ref, mask=_node_rows(tb, t, 3), other=0.0).astype(k_ref.dtype).reshape(rows, d)
     start = split * split_len
 
     def attend(keys, values, valid, carry):
@@ -99,8 +123,8 @@ def _attend_kernel(
 
     def tree_block(carry):
         real = jnp.arange(tb) < t
-        keys = plt.load(tk_ref, mask=real[:, None], other=0.0)
-        values = plt.load(tv_ref, mask=real[:, None], other=0.0)
+        keys = plt.load(tk_ref, mask=real[:, None], other=0.0).astype(k_ref.dtype)
+        values = plt.load(tv_ref, mask=real[:, None], other=0.0).astype(v_ref.dtype)
         visible = plt.load(mask_ref, mask=real[:, None] & real[None, :], other=0)
         # Row node * gb + head sees what its node sees.
         visible = jnp.broadcast_to(visible[:, None, :], (tb, gb, tb)).reshape(rows, tb)
@@ -185,22 +209,38 @@ def tiling(b: int, t: int, h: int, n: int, s: int, *, block_k: int = BLOCK_K, bl
     return tb, gb, splits, step
 
 
+def _grouped(x, n: int):
+    """[b, t, h, d] -> [b, t, n, h // n, d] (a free reshape); 5-d arrays pass as they are."""
+    if x.ndim == 5:
+        return x
+    b, t, h, d = x.shape
+    return x.reshape(b, t, n, h // n, d)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("block_k", "block_rows", "num_splits", "num_warps", "num_stages", "interpret",
-                     "target_programs", "merge_rows"),
+    static_argnames=("groups", "k_index", "v_index", "write_cache", "block_k", "block_rows", "num_splits",
+                     "num_warps", "num_stages", "interpret", "target_programs", "merge_rows"),
 )
 def tree_attention(
     q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask, *,
+    groups: int | None = None, k_index: int = 0, v_index: int = 0, write_cache: bool = False,
     block_k: int = BLOCK_K, block_rows: int = 64, num_splits: int | None = None,
     num_warps: int = 4, num_stages: int | None = None, interpret: bool = False, target_programs: int = 264,
     merge_rows: int = 64,
 ):
-    """Tree attention; see the module docstring for shapes. The cache length s must be a
-    multiple of BLOCK_K (the engine sizes its cache so); see `tiling` for the other knobs."""
-    b, t, h, d = q.shape
-    s, n = k_cache.shape[1], k_cache.shape[2]
-    g = h // n
+    """Tree attention -> out, or (out, k_cache, v_cache) with write_cache; see the module
+    docstring for shapes. groups: the query heads per kv head of a 5-d q (default: all of its
+    axis 3). The cache length s must be a multiple of BLOCK_K (the engine sizes its cache so);
+    see `tiling` for the other knobs."""
+    b, t = q.shape[:2]
+    s, n, d = k_cache.shape[1:]
+    q, tree_k, tree_v = _grouped(q, n), _grouped(tree_k, n), _grouped(tree_v, n)
+    g = groups or q.shape[3]
+    if not (g <= q.shape[3] and k_index < tree_k.shape[3] and v_index < tree_v.shape[3]):
+        raise ValueError(f"groups={g}, k_index={k_index}, v_index={v_index} must lie inside q {q.shape}, "
+                         f"tree_k {tree_k.shape} and tree_v {tree_v.shape}")
+    h = n * g
     tb, gb, splits, block_k = tiling(b, t, h, n, s, block_k=block_k, block_rows=block_rows, num_splits=num_splits,
                                      target_programs=target_programs)
     head_blocks = n * (g // gb)  # programs per batch row; block j holds heads [j * gb, (j + 1) * gb)
@@ -208,46 +248,57 @@ def tree_attention(
     kv_head = lambda j: j // (g // gb)  # noqa: E731
     stages = num_stages or default_stages(2 * block_k * d * k_cache.dtype.itemsize)
     params = plt.CompilerParams(num_warps=num_warps, num_stages=stages)
-    heads_spec = pl.BlockSpec((None, tb, gb, d), lambda bi, j, *_: (bi, 0, j, 0))  # q and out
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    dtype = k_cache.dtype
+    out_shape = jax.ShapeDtypeStruct((b, t, h, d), dtype)
 
     kernel = functools.partial(
         _attend_kernel, scale=1.0 / math.sqrt(d), block_k=block_k, split_len=split_len, t=t, tb=tb, gb=gb,
-        num_splits=splits,
+        num_splits=splits, write_cache=write_cache, blocks_per_kv_head=g // gb,
     )
     if splits == 1:
-        out_specs, out_shapes = heads_spec, out_shape
+        out_specs = [pl.BlockSpec((None, tb, gb, d), lambda bi, j, *_: (bi, 0, j, 0))]
+        out_shapes = [out_shape]
     else:
         out_specs = [  # partial outputs in out's own layout, nodes padded to tb
             pl.BlockSpec((None, None, tb, gb, d), lambda bi, j, si: (bi, si, 0, j, 0)),
             pl.BlockSpec((None, None, tb, gb), lambda bi, j, si: (bi, si, 0, j)),
         ]
         out_shapes = [
-            jax.ShapeDtypeStruct((b, splits, tb, h, d), q.dtype),
+            jax.ShapeDtypeStruct((b, splits, tb, h, d), dtype),
             jax.ShapeDtypeStruct((b, splits, tb, h), jnp.float32),
         ]
+    cache_spec = pl.BlockSpec((None, s, None, d), lambda bi, j, si: (bi, 0, kv_head(j), 0))
+    aliases = {}
+    if write_cache:  # the caches (operands 2 and 3) come back as the last two outputs, in place
+        out_specs += [cache_spec, cache_spec]
+        out_shapes += [jax.ShapeDtypeStruct(k_cache.shape, dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        aliases = {2: len(out_shapes) - 2, 3: len(out_shapes) - 1}
+    tree_spec = lambda index: pl.BlockSpec(  # noqa: E731
+        (None, tb, None, None, d), lambda bi, j, si: (bi, 0, kv_head(j), index, 0))
     result = pl.pallas_call(
         kernel,
         grid=(b, head_blocks, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda bi, j, si: (bi,)),
-            heads_spec,
+            pl.BlockSpec((None, tb, None, gb, d), lambda bi, j, si: (bi, 0, kv_head(j), j % (g // gb), 0)),
             pl.BlockSpec((None, split_len, None, d), lambda bi, j, si: (bi, si, kv_head(j), 0)),
             pl.BlockSpec((None, split_len, None, d), lambda bi, j, si: (bi, si, kv_head(j), 0)),
-            pl.BlockSpec((None, tb, None, d), lambda bi, j, si: (bi, 0, kv_head(j), 0)),
-            pl.BlockSpec((None, tb, None, d), lambda bi, j, si: (bi, 0, kv_head(j), 0)),
+            tree_spec(k_index),
+            tree_spec(v_index),
             pl.BlockSpec((tb, tb), lambda bi, j, si: (0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shapes,
+        input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
         name="tree_attention",
     )(lengths.astype(jnp.int32), q, k_cache, v_cache, tree_k, tree_v, tree_mask.astype(jnp.int32))
+    caches = tuple(result[-2:]) if write_cache else ()
     if splits == 1:
-        return result
+        return (result[0], *caches) if write_cache else result[0]
 
-    part, lse = result
+    part, lse = result[:2]
     sp = _pow2(splits, minimum=1)
     merge_rows = max(1, min(merge_rows, MERGE_ELEMENTS // (sp * d)))  # bounds the registers held
     while (tb * h) % merge_rows:  # blocks stay inside the partial arrays
@@ -261,12 +312,13 @@ def tree_attention(
             pl.BlockSpec((None, sp, merge_rows), lambda bi, c: (bi, 0, c)),
         ],
         out_specs=pl.BlockSpec((None, merge_rows, d), lambda bi, c: (bi, c, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, total, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, total, d), dtype),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_merge",
     )(part.reshape(b, splits, tb * h, d), lse.reshape(b, splits, tb * h))
-    return merged.reshape(b, t, h, d)
+    out = merged.reshape(b, t, h, d)
+    return (out, *caches) if write_cache else out
 
 
 def tree_attention_reference(q, k_cache, v_cache, tree_k, tree_v, lengths, tree_mask):

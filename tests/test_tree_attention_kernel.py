@@ -68,6 +68,49 @@ def test_longer_key_steps_match_reference(block_k, splits):
     assert rel_err(out, tree_attention_reference(*args, mask)) < TOL[jnp.float32]
 
 
+FUSED_CASES = [  # b, t, g, n, d, s, lengths, num_splits
+    (2, 1, 4, 2, 64, 128, [5, 127], 1),  # decode; one row's slot is the cache's last
+    (3, 6, 4, 2, 64, 128, [0, 60, 125], 2),  # a chain past the end: its last slots are dropped
+    (1, 9, 2, 4, 128, 256, [200], None),  # split heuristic
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[f"b{c[0]}-t{c[1]}-g{c[2]}-s{c[5]}" for c in FUSED_CASES])
+def test_fused_operands_and_cache_writes(case, dtype):
+    """q, k and v read from one fused [b, t, n, g + 2, d] array (what the engine's projection
+    gives), and the chunk's keys and values written into the caches in place: the output matches
+    the reference on the sliced operands, and the caches equal a scatter that drops slots past
+    the end, every other slot untouched."""
+    b, t, g, n, d, s, lengths, splits = case
+    rng = np.random.default_rng(sum(case[:6]))
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    qkv, kc, vc = f(b, t, n, g + 2, d), f(b, s, n, d), f(b, s, n, d)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    mask = ancestor_mask(random_tree(rng, t))
+    out, k_out, v_out = tree_attention(qkv, kc, vc, qkv, qkv, lengths, mask, groups=g, k_index=g, v_index=g + 1,
+                                       write_cache=True, num_splits=splits, interpret=not ON_GPU)
+    q, k, v = qkv[:, :, :, :g].reshape(b, t, n * g, d), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    assert out.shape == (b, t, n * g, d) and out.dtype == dtype
+    assert rel_err(out, tree_attention_reference(q, kc, vc, k, v, lengths, mask)) < TOL[dtype]
+    slots = np.asarray(lengths)[:, None] + np.arange(t)
+    for cache, new, written in ((kc, k, k_out), (vc, v, v_out)):
+        expected = np.array(cache)
+        for row in range(b):
+            kept = slots[row] < s
+            expected[row, slots[row][kept]] = np.asarray(new)[row, kept]
+        np.testing.assert_array_equal(np.asarray(written), expected)
+
+
+def test_fused_operands_out_of_range_are_refused():
+    rng = np.random.default_rng(1)
+    qkv = jnp.asarray(rng.normal(size=(1, 2, 2, 3, 64)), jnp.float32)
+    cache = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="v_index=3 must lie inside"):
+        tree_attention(qkv, cache, cache, qkv, qkv, jnp.array([4]), ancestor_mask(chain(1)), groups=1, k_index=1,
+                       v_index=3, interpret=True)
+
+
 def test_reference_is_ordinary_causal_attention_for_a_chain():
     """Sanity of the reference itself: a chain tree over an empty prefix is causal attention."""
     rng = np.random.default_rng(7)
@@ -88,16 +131,24 @@ def test_bad_cache_length_is_refused():
 
 
 @pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
-@pytest.mark.parametrize("d", [64, 128])
-def test_kernel_lowers_ahead_of_time(platform, device_kind, d):
-    """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200."""
+@pytest.mark.parametrize("d, fused", [(64, False), (128, False), (128, True)], ids=["d64", "d128", "d128-fused"])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, d, fused):
+    """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200, also
+    reading a fused q/k/v array and writing the caches (the engine's form)."""
     b, t, h, n, s = 1, 16, 32, 8, 512
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
-    args = (bf16(b, t, h, d), bf16(b, s, n, d), bf16(b, s, n, d), bf16(b, t, n, d), bf16(b, t, n, d),
-            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((t, t), jnp.bool_))
+    lengths, mask = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((t, t), jnp.bool_)
+    if fused:
+        g = h // n
+        qkv = bf16(b, t, n, g + 2, d)
+        args = (qkv, bf16(b, s, n, d), bf16(b, s, n, d), qkv, qkv, lengths, mask)
+        kw = dict(groups=g, k_index=g, v_index=g + 1, write_cache=True)
+    else:
+        args = (bf16(b, t, h, d), bf16(b, s, n, d), bf16(b, s, n, d), bf16(b, t, n, d), bf16(b, t, n, d), lengths, mask)
+        kw = {}
     with use_abstract_mesh(mesh):
-        lowered = tree_attention.trace(*args, num_warps=4, num_stages=1).lower(lowering_platforms=(platform,))
+        lowered = tree_attention.trace(*args, num_warps=4, num_stages=1, **kw).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "tree_attention" in text

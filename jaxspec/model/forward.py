@@ -287,27 +287,35 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
         q = rms_norm(qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps, det)
         k = rms_norm(qkv[:, :, :, g], w.k_norm, c.rms_norm_eps, det)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        fused_q, fused_k, k_index = q, k, 0
     else:  # queries and keys in one rotation (one kernel on GPUs, not two)
         qk = apply_rope(qkv[:, :, :, : g + 1].reshape(b, t, -1, c.head_dim), cos, sin)
         qk = qk.reshape(b, t, c.num_kv_heads, g + 1, c.head_dim)
         q, k = qk[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), qk[:, :, :, g]
+        fused_q, fused_k, k_index = qk, qk, g
 
-    # Write the new keys/values beside the committed prefix, then attend over the whole cache.
-    slots = lengths[:, None] + jnp.arange(t)[None, :]
-    rows = jnp.arange(b)[:, None]
-    cache_k, keys = _write(cache_k, layer, rows, slots, k)
-    cache_v, values = _write(cache_v, layer, rows, slots, v)
-
-    if det:  # the chunk's keys are in the cache already: each token sees slots up to its own
-        attn = causal_attention(q.astype(keys.dtype), keys, values, lengths, sliding_window=c.sliding_window,
-                                interpret=_interpret())
-    elif impl == "pallas":
-        # Prefix = slots < lengths; the chunk's own keys come in beside it under chunk_mask.
-        k_new, v_new = k.astype(keys.dtype), v.astype(values.dtype)
-        attn = tree_attention(q.astype(keys.dtype), keys, values, k_new, v_new, lengths, chunk_mask,
-                              interpret=_interpret())
-    else:
-        attn = _xla_attention(c, q, keys, values, mask)
+    if impl == "pallas":
+        # The kernel reads q, k and v where the projection left them and writes the chunk's keys
+        # and values into the cache itself: no slice or scatter kernels around it. Prefix =
+        # slots < lengths; the chunk's own keys come in beside it under chunk_mask.
+        layer_k, layer_v = (cache_k, cache_v) if layer is None else (cache_k[layer], cache_v[layer])
+        attn, layer_k, layer_v = tree_attention(
+            fused_q, layer_k, layer_v, fused_k, qkv, lengths, chunk_mask, groups=g, k_index=k_index, v_index=g + 1,
+            write_cache=True, interpret=_interpret())
+        if layer is None:
+            cache_k, cache_v = layer_k, layer_v
+        else:
+            cache_k, cache_v = cache_k.at[layer].set(layer_k), cache_v.at[layer].set(layer_v)
+    else:  # write the new keys/values beside the committed prefix, then attend over the whole cache
+        slots = lengths[:, None] + jnp.arange(t)[None, :]
+        rows = jnp.arange(b)[:, None]
+        cache_k, keys = _write(cache_k, layer, rows, slots, k)
+        cache_v, values = _write(cache_v, layer, rows, slots, v)
+        if det:  # the chunk's keys are in the cache already: each token sees slots up to its own
+            attn = causal_attention(q.astype(keys.dtype), keys, values, lengths, sliding_window=c.sliding_window,
+                                    interpret=_interpret())
+        else:
+            attn = _xla_attention(c, q, keys, values, mask)
     return _summed_projection("bthk,hkd->btd", attn, w.wo, w.bo, pad_one_row, axis, det, residual), cache_k, cache_v
 
 
