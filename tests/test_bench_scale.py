@@ -178,3 +178,13 @@ def test_the_mosaic_splitk_script_lowers_for_cuda_ahead_of_time(monkeypatch, cap
     module = _script("mosaic_splitk_sweep", monkeypatch)
     assert module.main(["--lower"]) == 0
     assert capsys.readouterr().out.splitlines() == ["int8: lowered for CUDA", "fp8: lowered for CUDA"]
+
+
+def test_the_greedy_tokens_script_prints_plain_and_speculative_tokens(monkeypatch, capsys):
+    module = _script("greedy_tokens", monkeypatch)
+    assert module.main(["--shape", "tiny", "--draft-shape", "tiny", "--quantize", "none", "--new-tokens", "6"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert set(out) == {"bf16-plain", "bf16-spec"}
+    assert [len(row) for row in out["bf16-plain"]] == [6, 6]
+    assert "bf16-spec: equals plain" in captured.err  # lossless: the draft changes no token

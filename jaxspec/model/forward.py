@@ -287,12 +287,15 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
         q = rms_norm(qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps, det)
         k = rms_norm(qkv[:, :, :, g], w.k_norm, c.rms_norm_eps, det)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        fused_q, fused_k, k_index = q, k, 0
+        fused_q, fused_k, fused_v, k_index = q, k, qkv, 0
     else:  # queries and keys in one rotation (one kernel on GPUs, not two)
         qk = apply_rope(qkv[:, :, :, : g + 1].reshape(b, t, -1, c.head_dim), cos, sin)
         qk = qk.reshape(b, t, c.num_kv_heads, g + 1, c.head_dim)
         q, k = qk[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), qk[:, :, :, g]
-        fused_q, fused_k, k_index = qk, qk, g
+        # The rotated queries and keys beside the values: one kernel makes all the Pallas
+        # kernel reads (the projection's output is read once, not by a rotation and the kernel).
+        fused_q = fused_k = fused_v = jnp.concatenate([qk, qkv[:, :, :, g + 1:]], axis=3)
+        k_index = g
 
     if impl == "pallas":
         # The kernel reads q, k and v where the projection left them and writes the chunk's keys
@@ -300,7 +303,7 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
         # slots < lengths; the chunk's own keys come in beside it under chunk_mask.
         layer_k, layer_v = (cache_k, cache_v) if layer is None else (cache_k[layer], cache_v[layer])
         attn, layer_k, layer_v = tree_attention(
-            fused_q, layer_k, layer_v, fused_k, qkv, lengths, chunk_mask, groups=g, k_index=k_index, v_index=g + 1,
+            fused_q, layer_k, layer_v, fused_k, fused_v, lengths, chunk_mask, groups=g, k_index=k_index, v_index=g + 1,
             write_cache=True, interpret=_interpret())
         if layer is None:
             cache_k, cache_v = layer_k, layer_v
