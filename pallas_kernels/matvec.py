@@ -68,8 +68,37 @@ def _to_f32(w, fmt: str, native: bool):
     return _fp8_bits_to_f16(w).astype(jnp.float32)
 
 
-def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, native: bool, split: bool,
-                   normed: bool = False, gated: bool = False, residual: bool = False, k_total: int = 0,
+FMA_PTX = "fma.rn.f32 $0, $1, $2, $3;"
+# The formats whose chunk sums are chains of multiply-adds (_chained) rather than products summed
+# pairwise: on the H200 int8's one-row projections took 71.0 us an 8B layer against 73.1 (its
+# conversion leaves the most instructions a weight, so fused multiply-adds pay); fp8's 71.7
+# against 70.6, so fp8 keeps the pairwise sums (docs/quantization.md).
+CHAINED = ("int8",)
+
+
+def _fma(a, b, c, ptx: bool):
+    """a * b + c, one rounding (one FFMA) where ptx (CUDA): Triton there keeps a product and a sum
+    apart, two instructions a weight; elsewhere the compiler's own."""
+    if ptx:
+        [out] = plt.elementwise_inline_asm(FMA_PTX, args=[a, b, c], constraints="=r,r,r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+        return out
+    return a * b + c
+
+
+def _chained(acc, w, x, chunk: int, ptx: bool):
+    """acc [n, k / chunk] + the sums of each chunk neighbouring products of w [n, k] and x [k], as one
+    chain of multiply-adds per chunk (all within the thread that loaded the chunk's weights)."""
+    n, k = w.shape
+    ws = jnp.split(w.reshape(n, k // chunk, chunk), chunk, axis=-1)
+    xs = jnp.split(x.reshape(1, k // chunk, chunk), chunk, axis=-1)
+    for wj, xj in zip(ws, xs):
+        acc = _fma(wj.reshape(n, k // chunk), jnp.broadcast_to(xj.reshape(1, k // chunk), (n, k // chunk)), acc, ptx)
+    return acc
+
+
+def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, native: bool, ptx: bool,
+                   split: bool, normed: bool = False, gated: bool = False, residual: bool = False, k_total: int = 0,
                    eps: float = 0.0):
     refs = list(rest)
     norm_ref = refs.pop(0) if normed else None
@@ -83,6 +112,9 @@ def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, n
     def chunked(p):  # [..., block_k] -> [..., block_k / chunk]: sums of neighbours, within a thread
         return jnp.sum(p.reshape(*p.shape[:-1], block_k // chunk, chunk), axis=-1)
 
+    def summed(acc, w, x):  # acc + the chunk sums of w [block_n, block_k] times x [block_k] (CHAINED)
+        return _chained(acc, w, x, chunk, ptx) if fmt in CHAINED else acc + chunked(w * x[None, :])
+
     def step(i, carry):
         accs, squares = carry
         at = pl.multiple_of(i * block_k, block_k)
@@ -93,8 +125,7 @@ def _matvec_kernel(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, n
             squares = tuple(sq + chunked(x * x) for sq, x in zip(squares, xs))
             g = norm_ref[pl.ds(at, block_k)].astype(jnp.float32)
             xs = [x * g for x in xs]
-        return (tuple(accs[r * halves + h] + chunked(w * xs[r][None, :]) for r in range(m) for h, w in enumerate(ws)),
-                squares)
+        return tuple(summed(accs[r * halves + h], w, xs[r]) for r in range(m) for h, w in enumerate(ws)), squares
 
     zeros = (jnp.zeros((block_n, block_k // chunk), jnp.float32),) * (m * halves)
     accs, squares = lax.fori_loop(0, kk // block_k, step,
@@ -185,7 +216,8 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
         s = scale.astype(jnp.float32) * (FP8_SHIFT if fmt == "fp8" and not native else 1.0)
         s = s.reshape(2, n_out) if gated else s
         call = pl.pallas_call(
-            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native=native, split=split,
+            functools.partial(_matvec_kernel, m=m, block_k=block_k, fmt=fmt, native=native,
+                              ptx=platform in PTX_PLATFORMS, split=split,
                               normed=norm is not None, gated=gated, residual=residual is not None and not split,
                               k_total=k, eps=eps),
             grid=(n_out // block_n, split_k),
@@ -206,7 +238,8 @@ def matvec(x, w, scale, norm=None, residual=None, *, fmt: str, out_dtype=None, b
 
     if interpret:
         return on("interpret")(x, w, *fusions)
-    return lax.platform_dependent(x, w, *fusions, default=on("default"), **{p: on(p) for p in own})
+    return lax.platform_dependent(x, w, *fusions, default=on("default"),
+                                  **{p: on(p) for p in sorted({*own, *PTX_PLATFORMS})})
 
 
 def matvec_reference(x, w, scale, fmt: str):
