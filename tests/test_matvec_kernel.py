@@ -126,12 +126,15 @@ def test_kernel_lowers_ahead_of_time(platform, device_kind, fmt, fused):
 
 
 def test_cuda_converts_with_its_own_instructions_and_rocm_portably():
-    """CUDA's fp8 kernel converts with the GPU's fp8 cast and its int8 kernel with INT8_PTX; ROCm's
-    decode the bits with plain integer and float work."""
+    """CUDA's fp8 kernel converts with the GPU's fp8 cast and its int8 kernel with INT8_PTX, whose
+    sums are chains of PTX fused multiply-adds (CHAINED); ROCm's decode the bits with plain integer
+    and float work and leave the multiply-adds to the compiler."""
     def ir(platform, device_kind, fmt):
         (found,) = re.findall(r'ir = "(.*?)"', _lowered(platform, device_kind, fmt))
         return found
     assert "prmt.b32" in ir("cuda", "NVIDIA H200", "int8") and "prmt.b32" not in ir("rocm", "gfx942", "int8")
+    assert "fma.rn.f32" in ir("cuda", "NVIDIA H200", "int8") and "fma.rn.f32" not in ir("rocm", "gfx942", "int8")
+    assert "fma.rn.f32" not in ir("cuda", "NVIDIA H200", "fp8")
     assert ir("rocm", "gfx942", "fp8") != ir("cuda", "NVIDIA H200", "fp8")
 
 
