@@ -12,9 +12,10 @@ Grid (n / block_n, split_k): each program reads a [block_n, k / split_k] panel o
 neighbouring products (meant to stay within a thread's own 16-byte load) and keeps those
 float32 sums ([block_n, block_k / CHUNK] per row), reduced across k once at the end: no
 tensor-core tile, no per-step cross-thread reduction. int8 forms each chunk's sum as a chain of
-fused multiply-adds, fp8 as products summed pairwise (CHAINED). (A sum per weight position instead took
-80-122 registers a thread and a quarter to a third of the GPU's warps: 37.3 against 33.6 us for
-the 8B gate/up on the H200.) split_k > 1: float32 partials added in order after, then the scales.
+fused multiply-adds, fp8 as products summed pairwise (CHAINED). (A sum per weight position
+instead took 80-122 registers a thread and a quarter to a third of the GPU's warps: 37.3 against
+33.6 us for the 8B gate/up on the H200.) split_k > 1: float32 partials added in order after,
+then the scales.
 
 Fusions (pallas_kernels/fused.py): the RMS norm before the projection (x scaled as loaded, 1/rms
 in the epilogue), the gated MLP's silu(gate) * up, the residual add.
