@@ -39,7 +39,10 @@ demo: convert
 # Two workers for the correctness tests, then the speed-comparing ones (marked timing) alone.
 # The correctness tests spend most of their time compiling small graphs that each run briefly:
 # LLVM's O0 backend compiles them faster (XLA's own graph passes still run; the whole suite
-# 32 -> 27 min on this 2-core machine). The timing tests keep XLA's defaults. Only the
+# 32 -> 27 min on this 2-core machine; per file again 2026-12-04, docs/bench/cpu-test-durations-o0-vs-default.txt:
+# 2341 s summed at O0 against 2564 at XLA's default; the sampling-distribution tests and Ray jobs
+# ran 1-3 min faster at the default, too little for an invocation of their own). The timing
+# tests keep XLA's defaults. Only the
 # tensor-parallel tests need the CPU's four virtual devices (tests/conftest.py), and the rest ran
 # 9 % faster on one (the sampling-distribution tests: 154 -> 140 s), so they run apart.
 test: setup-test
