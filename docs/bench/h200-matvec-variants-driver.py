@@ -1,10 +1,11 @@
 """Per-layer time of the 8B layer's four fused one-row matvec calls, kernel variants alternating."""
-import functools, json, os, sys, time
+import functools, inspect, json, sys
 import jax, jax.numpy as jnp
 import pallas_kernels.matvec as mv
+from jaxspec.bench.common import best_seconds
 
 D, F, NQKV = 4096, 14336, 6144
-ORIG_CHAINED, ORIG_FN = mv._chained, mv.CHAINED
+ORIG_CHAINED_FN, ORIG_CHAINED_FORMATS = mv._chained, mv.CHAINED
 
 
 def chained2(acc, w, x, chunk, ptx):
@@ -23,58 +24,24 @@ def chained2(acc, w, x, chunk, ptx):
     return acc + b
 
 
-from pallas_kernels.matvec import *  # noqa
-from pallas_kernels.matvec import _to_f32
-
-
-def _matvec_kernel_x2d(x_ref, w_ref, s_ref, *rest, m: int, block_k: int, fmt: str, native: bool, ptx: bool,
-                   split: bool, normed: bool = False, gated: bool = False, residual: bool = False, k_total: int = 0,
-                   eps: float = 0.0):
-    refs = list(rest)
-    norm_ref = refs.pop(0) if normed else None
-    res_ref = refs.pop(0) if residual else None
-    o_ref = refs.pop(0)
-    kk = w_ref.shape[-1]
-    block_n = w_ref.shape[-2]
-    halves = 2 if gated else 1  # gated: w_ref holds [gate, up] panels (pallas_kernels/fused.py)
-    chunk = min(CHUNK, block_k)
-
-    def chunked(p):  # [..., block_k] -> [..., block_k / chunk]: sums of neighbours, within a thread
-        return jnp.sum(p.reshape(*p.shape[:-1], block_k // chunk, chunk), axis=-1)
-
-    def summed(acc, w, x):  # acc + the chunk sums of w [block_n, block_k] times x [block_k] (CHAINED)
-        return mv._chained(acc, w, x, chunk, ptx) if fmt in mv.CHAINED else acc + chunked(w * x)
-
-    def step(i, carry):
-        accs, squares = carry
-        at = pl.multiple_of(i * block_k, block_k)
-        ws = [_to_f32(w_ref[h, :, pl.ds(at, block_k)] if gated else w_ref[:, pl.ds(at, block_k)], fmt, native)
-              for h in range(halves)]
-        xs = [x_ref[pl.ds(r, 1), pl.ds(at, block_k)].astype(jnp.float32) for r in range(m)]
-        if normed:  # squares by chunk, summed at the end; x scaled by the norm weight
-            squares = tuple(sq + chunked(x * x) for sq, x in zip(squares, xs))
-            g = norm_ref[pl.ds(at, block_k)].astype(jnp.float32)[None, :]
-            xs = [x * g for x in xs]
-        return tuple(summed(accs[r * halves + h], w, xs[r]) for r in range(m) for h, w in enumerate(ws)), squares
-
-    zeros = (jnp.zeros((block_n, block_k // chunk), jnp.float32),) * (m * halves)
-    accs, squares = lax.fori_loop(0, kk // block_k, step,
-                                  (zeros, (jnp.zeros((1, block_k // chunk), jnp.float32),) * m if normed else ()))
-    for r in range(m):
-        ys = [jnp.sum(acc, axis=1) for acc in accs[r * halves:(r + 1) * halves]]
-        if split:  # float32 partials: scaled and finished after the sum
-            for h, y in enumerate(ys):
-                if gated:
-                    o_ref[h, r, :] = y
-                else:
-                    o_ref[r, :] = y
-            continue
-        if normed:
-            inv = inverse_rms(jnp.sum(squares[r]), k_total, eps)
-            ys = [y * inv for y in ys]
-        ys = [y * (s_ref[h, :] if gated else s_ref[...]) for h, y in enumerate(ys)]
-        res = res_ref[r, :] if residual else None
-        o_ref[r, :] = finish(ys[0], o_ref.dtype, up=ys[1] if gated else None, residual=res)
+def _kernel_x2d():
+    """matvec's kernel with each row of activations loaded as a [1, block_k] tile (the weights'
+    layout) instead of a [block_k] vector: derived from the kernel's own source, so the two can
+    differ only there."""
+    src = inspect.getsource(mv._matvec_kernel).replace("def _matvec_kernel(", "def _matvec_kernel_x2d(")
+    for old, new in (
+        ("x_ref[r, pl.ds(at, block_k)]", "x_ref[pl.ds(r, 1), pl.ds(at, block_k)]"),
+        ("norm_ref[pl.ds(at, block_k)].astype(jnp.float32)", "norm_ref[pl.ds(at, block_k)].astype(jnp.float32)[None, :]"),
+        ("acc + chunked(w * x[None, :])", "acc + chunked(w * x)"),
+        ("(jnp.zeros((block_k // chunk,), jnp.float32),) * m", "(jnp.zeros((1, block_k // chunk), jnp.float32),) * m"),
+    ):
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    # CHAINED and _chained read from mv at trace time, so the variants' patches reach this copy too
+    src = src.replace("fmt in CHAINED", "fmt in mv.CHAINED").replace(" _chained(", " mv._chained(")
+    scope = {**vars(mv), "mv": mv}  # the kernel's own globals
+    exec(src, scope)
+    return scope["_matvec_kernel_x2d"]
 
 
 ORIG_KERNEL = mv._matvec_kernel
@@ -84,16 +51,16 @@ VARIANTS = {
     "fp8_chain": dict(chained=("int8", "fp8")),
     "chain2_both": dict(chained=("int8", "fp8"), fn=chained2),
     "int8_chain2": dict(fn=chained2),
-    "x2d": dict(kernel=_matvec_kernel_x2d),
-    "x2d_fp8_chain": dict(kernel=_matvec_kernel_x2d, chained=("int8", "fp8")),
+    "x2d": dict(kernel=_kernel_x2d()),
+    "x2d_fp8_chain": dict(kernel=_kernel_x2d(), chained=("int8", "fp8")),
     "warps8": dict(num_warps=8),
     "warps2": dict(num_warps=2),
 }
 
 
 def setv(v):
-    mv.CHAINED = v.get("chained", ORIG_FN)
-    mv._chained = v.get("fn", ORIG_CHAINED)
+    mv.CHAINED = v.get("chained", ORIG_CHAINED_FORMATS)
+    mv._chained = v.get("fn", ORIG_CHAINED_FN)
     mv._matvec_kernel = v.get("kernel", ORIG_KERNEL)
     jax.clear_caches()
 
@@ -128,19 +95,15 @@ def run(fmt, ls, nw, reps):
         return jax.lax.fori_loop(0, loops, one, x)
     jf = jax.jit(passes)
     x = jax.random.normal(jax.random.PRNGKey(1), (1, D), jnp.bfloat16)
-    jf(ls, x).block_until_ready()
     L = ls[0]
     out = jnp.concatenate([f(x, L["qkv"], sc["qkv"], g).ravel(), f(x, L["o"], sc["o"], residual=x).ravel(),
                            f(x, L["gu"], sc["gu"], g, gated=True).ravel(),
                            f(jnp.tile(x, (1, 4))[:, :F] * 0.1, L["down"], sc["down"], residual=x).ravel()])
-    best = 1e9
-    for _ in range(reps):
-        t = time.perf_counter(); jf(ls, x).block_until_ready(); best = min(best, time.perf_counter() - t)
+    best = best_seconds(lambda: jf(ls, x).block_until_ready(), reps)  # warms up first
     return best / (loops * len(ls)) * 1e6, out
 
 
 if __name__ == "__main__":
-    interp = os.environ.get("INTERP")
     names = sys.argv[1:] or list(VARIANTS)
     for fmt in ("int8", "fp8"):
         ls = layers(fmt, 12)
