@@ -42,9 +42,9 @@ demo: convert
 # 32 -> 27 min on this 2-core machine; per file again 2026-12-04, docs/bench/cpu-test-durations-o0-vs-default.txt:
 # 2341 s summed at O0 against 2564 at XLA's default; the sampling-distribution tests and Ray jobs
 # ran 1-3 min faster at the default, too little for an invocation of their own). The timing
-# tests keep XLA's defaults. Only the
-# tensor-parallel tests need the CPU's four virtual devices (tests/conftest.py), and the rest ran
-# 9 % faster on one (the sampling-distribution tests: 154 -> 140 s), so they run apart.
+# tests keep XLA's defaults. Only the tensor-parallel tests need the CPU's four virtual devices
+# (tests/conftest.py), and the rest ran 9 % faster on one (the sampling-distribution tests:
+# 154 -> 140 s), so they run apart.
 test: setup-test
 	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 -m "not timing and not multi_device" --durations=15
 	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 -m multi_device
