@@ -155,10 +155,19 @@ def test_convert_stores_8_bits_and_loads_the_same_weights_as_quantizing_on_load(
 def test_a_checkpoint_whose_scales_do_not_fit_its_weights_is_refused(tmp_path):
     out = convert_hf_checkpoint(HF / "code-draft-4m", tmp_path / "int8", quantize="int8")
     fields = read_checkpoint(out, load_config(out))
-    fields["layers.wq.scale"] = fields["layers.wq.scale"][:, :1]
-    write_checkpoint(fields, out, tmp_path / "bad", quantize="int8")
-    with pytest.raises(jaxspec.CheckpointError, match="cannot restore Orbax weights"):
-        jaxspec.load(tmp_path / "bad")
+    good = fields["layers.wq.scale"]  # [layers, heads, head_dim]
+    bad = {"shape": good[:, :1], "dtype": good.astype(np.float16)}
+    for what, scale in bad.items():
+        write_checkpoint({**fields, "layers.wq.scale": scale}, out, tmp_path / what, quantize="int8")
+    with pytest.raises(jaxspec.CheckpointError, match=r"field layers.wq.scale in .*shape/weights has shape "
+                       r"\(2, 1, 64\) float32; the config and jaxspec.json imply \(2, 4, 64\) float32"):
+        jaxspec.load(tmp_path / "shape")
+    with pytest.raises(jaxspec.CheckpointError, match=r"field layers.wq.scale .* \(2, 4, 64\) float16; .* float32"):
+        jaxspec.load(tmp_path / "dtype")
+    del fields["final_norm"]
+    write_checkpoint(fields, out, tmp_path / "missing", quantize="int8")
+    with pytest.raises(jaxspec.CheckpointError, match=r"field\(s\) final_norm missing from .*missing/weights"):
+        jaxspec.load(tmp_path / "missing")
     marker = tmp_path / "int8" / "jaxspec.json"
     marker.write_text(marker.read_text().replace('"int8"', '"int4"'))
     with pytest.raises(jaxspec.CheckpointError, match="quantize 'int4' is not one of int8, fp8"):

@@ -290,11 +290,33 @@ def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict |
     marker = _marker(ckpt_dir)
     target = _abstract_fields(config, jax.numpy.dtype(marker["dtype"]), shardings, marker.get("quantize"),
                               tuple(marker.get("quantized", ())))
+    ckptr = _checkpointer()
+    _check_stored(ckptr, ckpt_dir / "weights", target)
     try:
-        restored = _checkpointer().restore(ckpt_dir / "weights", target)
+        restored = ckptr.restore(ckpt_dir / "weights", target)
     except Exception as e:
         raise CheckpointError(f"cannot restore Orbax weights from {ckpt_dir / 'weights'}: {e}") from None
     return restored if shardings is not None else {k: np.asarray(v) for k, v in restored.items()}
+
+
+def _check_stored(ckptr, weights_dir: Path, target: dict[str, jax.ShapeDtypeStruct]) -> None:
+    """Refuses, by field, what the checkpoint's metadata says does not fit `target` (a missing
+    field, a shape or dtype other than the config and marker imply), before any array is read:
+    Orbax's own refusal names no field and leaves its read tasks behind."""
+    try:
+        meta = ckptr.metadata(weights_dir)
+    except Exception as e:
+        raise CheckpointError(f"cannot read Orbax metadata from {weights_dir}: {e}") from None
+    stored = getattr(getattr(meta, "item_metadata", meta), "tree", meta)  # a StepMetadata, or the tree itself
+    missing = sorted(set(target) - set(stored))
+    if missing:
+        raise CheckpointError(f"field(s) {', '.join(missing)} missing from {weights_dir}")
+    for name, want in target.items():
+        got = stored[name]
+        shape, dtype = tuple(got.shape), np.dtype(got.dtype)
+        if shape != tuple(want.shape) or dtype != np.dtype(want.dtype):
+            raise CheckpointError(f"field {name} in {weights_dir} has shape {shape} {dtype}; the config and "
+                                  f"{MARKER} imply {tuple(want.shape)} {np.dtype(want.dtype)}")
 
 
 def is_converted(path: str | Path) -> bool:
