@@ -44,7 +44,8 @@ demo: convert
 # ran 1-3 min faster at the default, too little for an invocation of their own). The timing
 # tests keep XLA's defaults. Only the tensor-parallel tests need the CPU's four virtual devices
 # (tests/conftest.py), and the rest ran 9 % faster on one (the sampling-distribution tests:
-# 154 -> 140 s), so they run apart.
+# 154 -> 140 s), so they run apart. Half the main phase is compiling; a compile cache shared by the
+# workers and YNNPACK fusions off gave nothing (docs/bench/cpu-test-compile-share-2026-12-04.txt).
 test: setup-test
 	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 -m "not timing and not multi_device" --durations=15
 	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 -m multi_device
