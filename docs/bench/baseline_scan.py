@@ -47,7 +47,7 @@ def model(name, seed):
     return Model(c, weights_from_fields(fields), None, name, name, jnp.dtype(jnp.bfloat16))
 
 def best(f, r=2):
-    f(); out = None; b = 1e9
+    f(); b = 1e9
     for _ in range(r):
         t0 = time.perf_counter(); f(); b = min(b, time.perf_counter() - t0)
     return b
