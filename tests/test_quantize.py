@@ -164,6 +164,9 @@ def test_a_checkpoint_whose_scales_do_not_fit_its_weights_is_refused(tmp_path):
         jaxspec.load(tmp_path / "shape")
     with pytest.raises(jaxspec.CheckpointError, match=r"field layers.wq.scale .* \(2, 4, 64\) float16; .* float32"):
         jaxspec.load(tmp_path / "dtype")
+    write_checkpoint({**fields, "bogus": fields["final_norm"]}, out, tmp_path / "extra", quantize="int8")
+    with pytest.raises(jaxspec.CheckpointError, match=r"unexpected field\(s\) bogus in .*extra/weights"):
+        jaxspec.load(tmp_path / "extra")
     del fields["final_norm"]
     write_checkpoint(fields, out, tmp_path / "missing", quantize="int8")
     with pytest.raises(jaxspec.CheckpointError, match=r"field\(s\) final_norm missing from .*missing/weights"):

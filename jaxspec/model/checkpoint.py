@@ -300,9 +300,9 @@ def read_checkpoint(ckpt_dir: str | Path, config: ModelConfig, shardings: dict |
 
 
 def _check_stored(ckptr, weights_dir: Path, target: dict[str, jax.ShapeDtypeStruct]) -> None:
-    """Refuses, by field, what the checkpoint's metadata says does not fit `target` (a missing
-    field, a shape or dtype other than the config and marker imply), before any array is read:
-    Orbax's own refusal names no field and leaves its read tasks behind."""
+    """Refuses, by field, what the checkpoint's metadata says does not fit `target` (a missing or
+    unexpected field, a shape or dtype other than the config and marker imply), before any array
+    is read: Orbax's own refusal of a shape names no field and leaves its read tasks behind."""
     try:
         meta = ckptr.metadata(weights_dir)
     except Exception as e:
@@ -311,6 +311,10 @@ def _check_stored(ckptr, weights_dir: Path, target: dict[str, jax.ShapeDtypeStru
     missing = sorted(set(target) - set(stored))
     if missing:
         raise CheckpointError(f"field(s) {', '.join(missing)} missing from {weights_dir}")
+    unexpected = sorted(set(stored) - set(target))
+    if unexpected:
+        raise CheckpointError(f"unexpected field(s) {', '.join(unexpected)} in {weights_dir}: not weights of this "
+                              f"model's config and {MARKER}")
     for name, want in target.items():
         got = stored[name]
         shape, dtype = tuple(got.shape), np.dtype(got.dtype)
