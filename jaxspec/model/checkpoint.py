@@ -307,7 +307,8 @@ def _check_stored(ckptr, weights_dir: Path, target: dict[str, jax.ShapeDtypeStru
         meta = ckptr.metadata(weights_dir)
     except Exception as e:
         raise CheckpointError(f"cannot read Orbax metadata from {weights_dir}: {e}") from None
-    stored = getattr(getattr(meta, "item_metadata", meta), "tree", meta)  # a StepMetadata, or the tree itself
+    item = getattr(meta, "item_metadata", meta)  # a StepMetadata, or (older Orbax) the item's metadata itself
+    stored = getattr(item, "tree", item)
     missing = sorted(set(target) - set(stored))
     if missing:
         raise CheckpointError(f"field(s) {', '.join(missing)} missing from {weights_dir}")
