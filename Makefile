@@ -37,18 +37,18 @@ demo: convert
 	$(BIN)/jaxspec generate "$(PROMPT)" --draft checkpoints/code-draft-4m --num-draft-tokens 2 --max-new-tokens 96 --compare-plain
 
 # Two workers for the correctness tests, then the speed-comparing ones (marked timing) alone.
-# The correctness tests spend most of their time compiling small graphs that each run briefly:
-# LLVM's O0 backend compiles them faster (XLA's own graph passes still run; the whole suite
-# 32 -> 27 min on this 2-core machine; per file again 2026-12-04, docs/bench/cpu-test-durations-o0-vs-default.txt:
-# 2341 s summed at O0 against 2564 at XLA's default; the sampling-distribution tests and Ray jobs
-# ran 1-3 min faster at the default, too little for an invocation of their own). The timing
-# tests keep XLA's defaults. Only the tensor-parallel tests need the CPU's four virtual devices
-# (tests/conftest.py), and the rest ran 9 % faster on one (the sampling-distribution tests:
-# 154 -> 140 s), so they run apart. Half the main phase is compiling; a compile cache shared by the
-# workers and YNNPACK fusions off gave nothing (docs/bench/cpu-test-compile-share-2026-12-04.txt).
+# The correctness tests spend much of their time compiling small graphs that each run briefly, so
+# they take the cheapest compiles: LLVM's O0 backend (the suite 32 -> 27 min on this 2-core
+# machine; docs/bench/cpu-test-durations-o0-vs-default.txt) and XLA's older CPU fusion emitters,
+# about 3x faster to compile, slower to run (main phase 1359 -> 1081 s, multi_device 114 -> 84 s;
+# docs/bench/cpu-test-fusion-emitters-2026-12-04.txt). The timing tests keep XLA's defaults.
+# Only the tensor-parallel tests need the CPU's four virtual devices (tests/conftest.py), and the
+# rest ran 9 % faster on one, so they run apart. A compile cache shared by the workers and
+# YNNPACK fusions off gave nothing (docs/bench/cpu-test-compile-share-2026-12-04.txt).
+TEST_XLA_FLAGS = $(XLA_FLAGS) --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
 test: setup-test
-	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 -m "not timing and not multi_device" --durations=15
-	XLA_FLAGS="$(XLA_FLAGS) --xla_backend_optimization_level=0" $(BIN)/python -m pytest -q -n 2 -m multi_device
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest -q -n 2 -m "not timing and not multi_device" --durations=15
+	XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest -q -n 2 -m multi_device
 	$(BIN)/python -m pytest -q -m timing
 
 clean:
