@@ -15,11 +15,14 @@ from jaxspec.errors import CheckpointError, ConfigError, InputError, JaxspecErro
 from jaxspec.graphs import GraphCache
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.loading import Model, load
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.serving.generate import generate
+from jaxspec.serving.options import RunOptions
 from jaxspec.serving.stats import CallMetrics, Completion, Completions, RequestStats
 
 __all__ = [
     "CallMetrics", "CheckpointError", "Completion", "Completions", "ConfigError", "DecodeMethod", "GraphCache",
-    "InputError", "JaxspecError", "Model", "ModelConfig", "RequestStats", "generate", "load", "load_config",
+    "InputError", "JaxspecError", "Model", "ModelConfig", "RequestStats", "RunOptions", "SamplingParams", "generate",
+    "load", "load_config",
 ]
 __version__ = "0.1.0"

@@ -13,8 +13,8 @@ from pathlib import Path
 from jaxspec import compile_cache
 from jaxspec.bench.main import add_bench_args, run_bench
 from jaxspec.checks import int_list, int_list_or_none
-from jaxspec.decoding.method import DEFAULT_NUM_DRAFT
-from jaxspec.decoding.ngram import Ngram
+from jaxspec.decoding.method import DecodeMethod, settings_from_cli
+from jaxspec.decoding.method import add_cli_args as add_method_args
 from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
 from jaxspec.distributed import add_parallel_args, initialize, is_main_process
 from jaxspec.errors import JaxspecError
@@ -25,6 +25,9 @@ from jaxspec.jobs.settings import AUTO_KS, AUTO_NGRAM_KS, JobSettings
 from jaxspec.model.checkpoint import convert_hf_checkpoint
 from jaxspec.model.loading import load
 from jaxspec.model.quantize import SCHEMES
+from jaxspec.sampling_params import add_cli_args as add_sampling_args
+from jaxspec.sampling_params import from_cli as sampling_from_cli
+from jaxspec.serving.options import RunOptions
 from jaxspec.serving.generate import generate
 
 
@@ -49,18 +52,7 @@ def run_convert(args) -> int:
     return 0
 
 
-def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic mode: every prompt's tokens depend on that prompt alone, bit for bit, in any "
-                        "dtype (alone or in any batch, plain or speculative; chains only; docs/deterministic.md)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (>= 1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed; each prompt gets its own stream")
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--quantize", choices=SCHEMES, default=None,
@@ -72,18 +64,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         f"{compile_cache.default_dir()})")
 
 
-def add_ngram_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("n-gram lookup (--draft ngram): proposals copied from the prompt and output")
-    g.add_argument("--ngram-max", type=int, default=3, help="longest suffix looked up (default 3)")
-    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up (default 1)")
-    g.add_argument("--ngram-branches", type=int, default=1,
-                   help="verify up to this many distinct continuations as a tree (default 1: a chain)")
+def add_request_args(p: argparse.ArgumentParser, tree: bool = True) -> None:
+    """What generate and batch share: each setting value's own flags (the decode method's, the
+    sampling parameters', the run options') and the models'."""
+    add_method_args(p, tree=tree)
+    g = p.add_argument_group("sampling (jaxspec.SamplingParams; a batch record's own settings override these)")
+    add_sampling_args(g)
+    RunOptions.add_cli_args(p, attention=tree)
+    add_model_args(p)
 
 
 def load_draft(args, path):
     """--draft: "ngram" (n-gram lookup settings, checked), or a draft model folder."""
     if path == "ngram":
-        return Ngram(args.ngram_min, args.ngram_max, args.ngram_branches)
+        return settings_from_cli(args, "ngram")
     return load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel, quantize=args.draft_quantize)
 
 
@@ -101,11 +95,12 @@ def _print_completions(prompts, outs, as_json: bool) -> None:
         print(out.text)
 
 
-def _compare_plain(prompts, target, draft, outs, settings: dict) -> None:
+def _compare_plain(prompts, target, draft, outs, call: dict) -> None:
     """Times the same call plainly and speculatively (compiled graphs, a second call each) and
     prints the speedup and whether the output is the plain output."""
-    plain = [generate(prompts, target, None, **settings) for _ in range(2)][-1]
-    spec = generate(prompts, target, draft, **settings)
+    plain = [generate(prompts, target, None, **call) for _ in range(2)][-1]
+    spec = generate(prompts, target, draft, method=DecodeMethod.of(draft, call["method"].k, call["method"].tree),
+                    **{k: v for k, v in call.items() if k != "method"})
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain))
     speedup = plain.metrics.decode_s / spec.metrics.decode_s if spec.metrics.decode_s > 0 else 0.0
     print(f"--- speculative {spec.metrics.tokens_per_s:.1f} tokens/s vs plain {plain.metrics.tokens_per_s:.1f} "
@@ -121,13 +116,12 @@ def run_generate(args) -> int:
         raise JaxspecError("give at least one prompt: PROMPT arguments or --file")
     if args.compare_plain and not args.draft:
         raise JaxspecError("--compare-plain needs --draft: it compares speculative decoding with plain decoding")
+    sampling, options = sampling_from_cli(args), RunOptions.from_cli(args)  # checked before any model loads
     target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
                   quantize=args.quantize)
     draft = load_draft(args, args.draft) if args.draft else None
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, num_draft_tokens=args.num_draft_tokens, tree=args.tree,
-                    attention=args.attention, deterministic=args.deterministic)
-    outs = generate(prompts, target, draft, **settings)
+    method = DecodeMethod.of(draft, args.num_draft_tokens, args.tree)
+    outs = generate(prompts, target, draft, sampling=sampling, method=method, options=options)
     _print_completions(prompts, outs, args.json)
     m = outs.metrics
     print(
@@ -137,7 +131,7 @@ def run_generate(args) -> int:
         file=sys.stderr,
     )
     if args.compare_plain:
-        _compare_plain(prompts, target, draft, outs, settings)
+        _compare_plain(prompts, target, draft, outs, dict(sampling=sampling, options=options, method=method))
     return 0
 
 
@@ -145,9 +139,9 @@ BATCH_DESCRIPTION = """\
 Runs every record of IN.jsonl and appends one JSON line per record to OUT.jsonl.
 
 Input, one JSON object per line: "id" (string or integer, unique), "prompt" (text) or
-"messages" (a chat, rendered with the tokenizer's chat template), and optionally
-"max_new_tokens", "temperature", "top_k", "top_p", "seed" (override the options below) and
-"prompt_version" (reported separately). Output lines carry "id", "line", "text", "token_ids",
+"messages" (a chat, rendered with the tokenizer's chat template), and optionally any sampling
+setting ("max_tokens" or "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed":
+they override the options below) and "prompt_version" (reported separately). Output lines carry "id", "line", "text", "token_ids",
 "finish_reason", "method", "stats" (acceptance statistics), or "error" for a record that could
 not be served; a line without a readable id gets the id "line:N". Rerunning the same command
 after a crash resumes: ids already in OUT.jsonl are skipped. Writes OUT.summary.json, OUT.png
@@ -171,8 +165,6 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                    help='draft model or EAGLE-3 head folder, or "ngram" for n-gram lookup (default: the embedded '
                         "code-draft-4m); with --auto, repeat it (a draft model and a head) for the canary to choose")
     p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
-                   help=f"draft tokens K per target pass (default {DEFAULT_NUM_DRAFT})")
     p.add_argument("--batch-size", type=int, default=8,
                    help="records decoded at once: continuous slots or static batch rows (default 8)")
     p.add_argument("--scheduler", choices=["continuous", "static"], default="continuous",
@@ -180,7 +172,7 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
                         "batches run until their longest record ends")
     p.add_argument("--refill-at", type=int, help="continuous: slots freed before new records are let in "
                                                 "(default: 1 on the CPU, an eighth of the slots on GPUs)")
-    add_sampling_args(p)
+    add_request_args(p, tree=False)
     p.add_argument("--auto", action="store_true",
                    help="canary: time plain and speculative decoding (each --auto-k, each --draft) on a sample of the job, "
                         "check greedy outputs agree, and run the rest with the fastest")
@@ -196,21 +188,17 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-repeats", type=int, default=2, help="timed passes per canary candidate, best kept (default 2)")
     p.add_argument("--auto-min-speedup", type=float, default=1.05,
                    help="speculation is chosen only when at least this much faster than plain (default 1.05)")
-    p.add_argument("--warn-below-acceptance", type=float, default=0.6,
-                   help="warn when the running acceptance rate falls below this (default 0.6)")
     p.add_argument("--metrics-log", help="JSON-lines metrics log, appended to (default: OUT.metrics.jsonl)")
     p.add_argument("--no-metrics-log", action="store_true", help="write no metrics log")
     p.add_argument("--summary", help="summary JSON path (default: OUT.summary.json)")
     p.add_argument("--plot", help="summary plot PNG path (default: OUT.png)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_deterministic_arg(p)
     g = p.add_argument_group("several replicas (Ray; pip install 'jaxspec[distributed]')")
     g.add_argument("--workers", type=int, default=1, help="model replicas as Ray actors (default 1: in this process)")
     g.add_argument("--gpus-per-worker", type=float,
                    help="GPUs per replica (default: --tensor-parallel on GPUs, none on the CPU)")
     g.add_argument("--ray-address", help="join this Ray cluster (auto or HOST:PORT); default: a local instance")
-    add_ngram_args(p)
     add_parallel_args(p)
 
 
@@ -241,12 +229,11 @@ def _jaxspec_logging():
 def job_settings(args) -> JobSettings:
     """The batch job's settings from its flags (checked before any model is loaded)."""
     return JobSettings(
-        num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, scheduler=args.scheduler,
-        refill_at=args.refill_at, auto=args.auto, auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
+        num_draft_tokens=args.num_draft_tokens, sampling=sampling_from_cli(args), options=RunOptions.from_cli(args),
+        batch_size=args.batch_size, scheduler=args.scheduler, refill_at=args.refill_at, auto=args.auto,
+        auto_sample=args.auto_sample, auto_ks=tuple(args.auto_k),
         auto_trees=tuple(t for t in args.auto_trees.split(",") if t), auto_ngram_ks=tuple(args.auto_ngram_k),
-        auto_repeats=args.auto_repeats, auto_min_speedup=args.auto_min_speedup,
-        warn_below_acceptance=args.warn_below_acceptance, deterministic=args.deterministic, workers=args.workers,
+        auto_repeats=args.auto_repeats, auto_min_speedup=args.auto_min_speedup, workers=args.workers,
         gpus_per_worker=args.gpus_per_worker, ray_address=args.ray_address,
         metrics_log=None if args.no_metrics_log else (args.metrics_log or True), summary_path=args.summary,
         plot_path=None if args.no_plot else (args.plot or True), progress=not args.no_progress,
@@ -287,18 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="JSONL file with a \"prompt\" field per line, appended to PROMPTs")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    p.add_argument("--draft", help='draft model folder, or "ngram" for n-gram lookup in the prompt and output: '
-                                   "decode speculatively (default: plain decoding)")
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT,
-                   help=f"draft tokens K per target pass (default {DEFAULT_NUM_DRAFT})")
-    p.add_argument("--tree", help="a named draft tree instead of a chain of K (binary-3, sparse, chain-3, chain-7)")
-    p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
-                   help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
-    add_deterministic_arg(p)
+    p.add_argument("--draft", help='draft model or EAGLE-3 head folder, or "ngram" for n-gram lookup in the prompt '
+                                   "and output: decode speculatively (default: plain decoding)")
     p.add_argument("--compare-plain", action="store_true",
                    help="also decode plainly and print the measured speedup and whether the output is identical")
-    add_sampling_args(p)
-    add_ngram_args(p)
+    add_request_args(p)
     add_parallel_args(p)
     p.set_defaults(func=run_generate)
 

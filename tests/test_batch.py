@@ -17,7 +17,7 @@ from jaxspec import cli
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.errors import InputError
-from jaxspec.batch import BatchError, JobDefaults, JobSettings, read_output, run_job
+from jaxspec.batch import BatchError, JobSettings, read_output, run_job
 from jaxspec.jobs.local import plan_chunks
 from jaxspec.jobs.output import ChunkWriter, repair_tail
 from jaxspec.jobs.records import Record, build_request, parse_line
@@ -168,7 +168,7 @@ def test_summary_plot_and_metrics_log(mixed_job):
 def test_chunks_never_span_shape_buckets(target, prompts):
     recs = [Record(i, str(i), i, {"prompt": p * (1 + i % 4)}) for i, p in enumerate(prompts)]
     for r in recs:
-        r.request = build_request(r.data, target, JobDefaults(max_new_tokens=MAX_NEW))
+        r.request = build_request(r.data, target, JobSettings(max_new_tokens=MAX_NEW).sampling)
     chunks = plan_chunks(recs, 4)
     assert sorted(r.line for c in chunks for r in c) == list(range(len(prompts)))
     for c in chunks:

@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from tiny_models import request
 
 import jaxspec
 from jaxspec.decoding.ngram import Ngram
@@ -15,7 +16,6 @@ from jaxspec.bench.workloads import lognormal_budgets, write_humaneval_jsonl
 from jaxspec.decoding.loop import advance
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.plain import PlainLoop
-from jaxspec.serving.requests import Request, SamplingSettings
 from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -26,7 +26,7 @@ def requests_(real_pair, humaneval20):
     """20 HumanEval prompts with chat-like budgets (fixed-seed lognormal, 3 to 120 tokens)."""
     target = real_pair[0]
     budgets = lognormal_budgets(20, median=30, sigma=0.8, cap=120, seed=1)
-    return [Request(tuple(target.tokenizer.encode(p)), b, SamplingSettings(), 0) for p, b in zip(humaneval20, budgets)]
+    return [request(target.tokenizer.encode(p), b) for p, b in zip(humaneval20, budgets)]
 
 
 def _same(a, b):
@@ -39,7 +39,7 @@ def test_continuous_equals_static_and_alone(real_pair, requests_, how):
     target, draft = real_pair
     kw = {"plain": {}, "model K=3": dict(method=DecodeMethod("draft", 3), draft=draft),
           "model tree": dict(method=DecodeMethod("draft", tree=(-1, 0, 0, 1)), draft=draft),
-          "ngram K=4": dict(method=DecodeMethod("ngram", 4, ngram=Ngram()))}[how]
+          "ngram K=4": dict(method=DecodeMethod("ngram", 4, settings=Ngram()))}[how]
     static = run(target, requests_, 4, scheduler="static", **kw)
     continuous = run(target, requests_, 4, scheduler="continuous", **kw)
     assert _same(continuous, static)
@@ -53,8 +53,8 @@ def test_refill_policy_and_sampling_do_not_change_outputs(real_pair, requests_):
     target, draft = real_pair
     # 10 records in slots of 4: refills of every policy. Half their budgets (5-31 tokens: rows
     # still end at different steps): this test's runs execute the 16M pair 5 times, unoptimized.
-    mixed = [Request(r.token_ids, r.max_new_tokens // 2, SamplingSettings(0.9, 0, 0.95) if i % 2 else r.sampling,
-                     100 + i) for i, r in enumerate(requests_[:10])]
+    mixed = [request(r.token_ids, r.max_new_tokens // 2, 100 + i, **(dict(temperature=0.9, top_p=0.95) if i % 2 else {}))
+             for i, r in enumerate(requests_[:10])]
     k2 = DecodeMethod("draft", 2)
     static = run(target, mixed, 4, k2, draft, scheduler="static")
     for refill_at, order in ((1, "longest"), (4, "longest"), (2, "arrival")):
@@ -83,7 +83,7 @@ def test_the_loop_returns_only_when_rows_free_up(real_pair):
 
     loop = PlainLoop(target.config)
     static = dict(loop=loop, capacity=64, max_out=32, greedy_only=True)
-    reqs = [Request((5, 6, 7), budget, SamplingSettings(), 0) for budget in (3, 9, 30, 30)]
+    reqs = [request((5, 6, 7), budget) for budget in (3, 9, 30, 30)]
     state, batch = begin(target.weights, None, make_batch([], 4, 1, 0), **static)
     state, batch = admit(target.weights, None, state, batch, make_batch(reqs, 4, 16, 0), jax.numpy.arange(4), **static)
     kw = dict(loop=loop, greedy_only=True, attention="xla")

@@ -14,7 +14,8 @@ import pytest
 import jaxspec
 from jaxspec.decoding.drafting import Round
 from jaxspec.decoding.method import DecodeMethod
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingArrays
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.decoding.state import Batch
 from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import ancestor_mask
@@ -141,7 +142,7 @@ def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, targ
     layers = drafter.feature_layers
     text = list(target.tokenizer.encode(PROMPTS[1] + "return [f for f in os.listdir(path) if f.endswith('.py')]"))
     P = 8
-    sampling = SamplingParams(jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+    sampling = SamplingArrays.of([SamplingParams(temperature=1.0)])
     batch = Batch(jnp.asarray([text[:P]], jnp.int32), jnp.asarray([P], jnp.int32), jnp.asarray([64], jnp.int32),
                   sampling, jnp.zeros(1, jnp.uint32))
     cache = KVCache.create(target.config, 1, 64, jnp.float32)
@@ -268,7 +269,7 @@ def test_the_canary_tries_the_head_at_each_k_and_tree(head):
     assert methods[0] == DecodeMethod()
     assert [m.name for m in methods if m.kind == "eagle"] == [f"eagle K={k}" for k in settings.auto_ks] + [
         "eagle tree sparse"]
-    assert all(m.ngram is None or m.kind == "ngram" for m in methods)
+    assert all(m.settings is None or m.kind == "ngram" for m in methods)
 
 
 def test_the_conversion_script_converts_a_head(head, target, tmp_path):

@@ -13,7 +13,7 @@ from test_speculative_distribution import (
     sampled_with,
 )
 from test_speculative_distribution import pair as tiny_pair  # noqa: F401  (fixture)
-from tiny_models import TINY, save_tiny
+from tiny_models import TINY, request, save_tiny
 
 import jaxspec
 from jaxspec.decoding.ngram import (
@@ -122,11 +122,10 @@ def test_sampling_matches_target_distribution(tiny_pair, branches, setting):  # 
 
 
 def test_one_compiled_loop(real_pair):
-    from jaxspec.serving.requests import Request, SamplingSettings
     from jaxspec.serving.batching import make_batch
 
     target = real_pair[0]
-    batch = make_batch([Request((1, 2, 3, 1, 2), 8, SamplingSettings(), 0)], 1, 16, 0)
+    batch = make_batch([request((1, 2, 3, 1, 2), 8)], 1, 16, 0)
     jaxpr = jax.make_jaxpr(lambda t, b: decode(
         t, None, b, loop=SpeculativeLoop(target.config, NgramDrafter(4, 2)), capacity=32, max_out=16,
         greedy_only=False))(target.weights, batch)

@@ -12,8 +12,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from jaxspec.sampling_params import SamplingParams
 from jaxspec.decoding.sampling import (
-    SamplingParams,
+    SamplingArrays,
     filtered_logits,
     row_keys,
     sample_tokens,
@@ -30,7 +31,7 @@ SETTINGS = [  # (temperature, top_k, top_p)
 
 def _params(settings):
     t, k, p = zip(*settings)
-    return SamplingParams(jnp.array(t, jnp.float32), jnp.array(k, jnp.int32), jnp.array(p, jnp.float32))
+    return SamplingArrays.of([SamplingParams(temperature=t_, top_k=k_, top_p=p_) for t_, k_, p_ in settings])
 
 
 def _hf_filtered(logits: np.ndarray, temperature, top_k, top_p) -> np.ndarray:
@@ -112,7 +113,7 @@ def test_chi_square_detects_a_one_percent_bias():
 def test_greedy_rows_take_argmax_in_mixed_batch():
     rng = np.random.default_rng(3)
     logits = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
-    params = SamplingParams(jnp.array([0.0, 1.0]), jnp.array([0, 0]), jnp.array([1.0, 1.0]))
+    params = SamplingArrays.of([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)])
     keys = row_keys(jnp.array([5, 5], jnp.uint32), jnp.array([0, 0]))
     out = np.asarray(sample_tokens(logits, params, keys, greedy_only=False))
     assert out[0] == int(np.argmax(np.asarray(logits[0])))

@@ -1,8 +1,6 @@
 """Settings as values: the decode method and a batch job's settings check themselves, each bad
 value named with what is allowed, before any model is loaded or any work done."""
 
-import inspect
-
 import pytest
 
 import jaxspec
@@ -54,14 +52,14 @@ def test_decode_methods_name_and_check_themselves():
     assert DecodeMethod("draft", 3).name == "speculative K=3"
     assert DecodeMethod("draft", tree="binary-3").k == 3 and DecodeMethod("draft", tree="binary-3").name == "tree binary-3"
     assert DecodeMethod("draft", tree=[-1, 0, 0]).tree == (-1, 0, 0)  # a list becomes a hashable, checked tuple
-    assert DecodeMethod("ngram", 4, ngram=Ngram(branches=3)).name == "ngram K=4 x3"
-    assert DecodeMethod("ngram", 4).ngram == Ngram()
+    assert DecodeMethod("ngram", 4, settings=Ngram(branches=3)).name == "ngram K=4 x3"
+    assert DecodeMethod("ngram", 4).settings == Ngram()
     assert len({DecodeMethod("draft", 3), DecodeMethod("draft", 3), DecodeMethod("ngram", 3)}) == 2
     for kw, match in [
         (dict(kind="medusa"), "decode method kind must be one of plain, draft, ngram, eagle; got 'medusa'"),
         (dict(kind="draft", k=0), r"num_draft_tokens must be an integer in \[1, 32\]; got 0"),
         (dict(kind="plain", tree="sparse"), "tree needs a draft model"),
-        (dict(kind="ngram", k=2, tree="sparse"), "n-gram lookup builds its own"),
+        (dict(kind="ngram", k=2, tree="sparse"), "tree is for a draft model or an EAGLE-3 head; ngram builds its own"),
         (dict(kind="draft", k=2, tree=(0, 1)), r"tree\[0\] must be -1"),
     ]:
         with pytest.raises(InputError, match=match):
@@ -71,8 +69,8 @@ def test_decode_methods_name_and_check_themselves():
 
 
 def test_one_default_k_everywhere():
-    generate_k = inspect.signature(jaxspec.generate).parameters["num_draft_tokens"].default
     parser = cli.build_parser()
-    cli_ks = {a.dest: a.default for p in parser._subparsers._group_actions[0].choices.values() for a in p._actions
-              if a.dest == "num_draft_tokens"}
-    assert generate_k == JobSettings().num_draft_tokens == DEFAULT_NUM_DRAFT == cli_ks["num_draft_tokens"] == 3
+    subparsers = parser._subparsers._group_actions[0].choices
+    cli_ks = [a.default for name in ("generate", "batch") for a in subparsers[name]._actions if a.dest == "num_draft_tokens"]
+    assert cli_ks == [DEFAULT_NUM_DRAFT] * 2  # declared once each, from one place
+    assert DecodeMethod("draft").k == JobSettings().num_draft_tokens == DEFAULT_NUM_DRAFT == 3

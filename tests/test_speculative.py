@@ -4,7 +4,7 @@ import dataclasses
 
 import jax
 import pytest
-from tiny_models import TINY, save_tiny
+from tiny_models import TINY, request, save_tiny
 
 import jaxspec
 from jaxspec.decoding.draft_model import ModelDrafter
@@ -110,11 +110,10 @@ def test_seeded_sampling_does_not_depend_on_batch_mates(pair, prompts):
 def test_mixed_greedy_and_sampled_rows(pair, prompts):
     """A greedy row keeps the target's greedy output beside sampled rows."""
     target, draft = pair
-    from jaxspec.serving.requests import Request, SamplingSettings
     from jaxspec.serving.runner import run
 
     ids = [tuple(target.tokenizer.encode(p)) for p in prompts[:2]]
-    reqs = [Request(ids[0], 24, SamplingSettings(), 0), Request(ids[1], 24, SamplingSettings(1.0, 20, 0.9), 3)]
+    reqs = [request(ids[0], 24), request(ids[1], 24, 3, temperature=1.0, top_k=20, top_p=0.9)]
     outs = run(target, reqs, 2, DecodeMethod("draft", 3), draft)
     ref = jaxspec.generate([list(ids[0])], target, max_new_tokens=24)
     assert outs[0].token_ids == ref[0].token_ids
@@ -123,10 +122,9 @@ def test_mixed_greedy_and_sampled_rows(pair, prompts):
 def test_one_compiled_loop_and_no_host_round_trips(pair, prompts):
     """The whole generation is a single while_loop in one graph, with no host callbacks."""
     target, draft = pair
-    from jaxspec.serving.requests import Request, SamplingSettings
     from jaxspec.serving.batching import make_batch
 
-    batch = make_batch([Request((1, 2, 3), 8, SamplingSettings(), 0)], 1, 16, 0)
+    batch = make_batch([request((1, 2, 3), 8)], 1, 16, 0)
     jaxpr = jax.make_jaxpr(
         lambda t, d, b: decode(
             t, d, b, loop=SpeculativeLoop(target.config, ModelDrafter(draft.config, chain(4))), capacity=32,

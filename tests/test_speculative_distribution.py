@@ -8,6 +8,8 @@ filtered probabilities over every prefix, by a chi-square test; the same test mu
 deliberately biased acceptance rule.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,10 +21,11 @@ import jaxspec
 import jaxspec.decoding.speculative as speculative
 from jaxspec.decoding.acceptance import accept_sampling
 from jaxspec.decoding.method import DecodeMethod
-from jaxspec.decoding.sampling import SamplingParams, target_probs
+from jaxspec.decoding.sampling import SamplingArrays, target_probs
 from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import forward
-from jaxspec.serving.requests import Request, SamplingSettings
+from jaxspec.sampling_params import SamplingParams
+from jaxspec.serving.requests import Request
 from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -30,9 +33,9 @@ VOCAB = 16
 PROMPT = (3, 7, 1, 12)
 N = 40_000
 SETTINGS = [
-    SamplingSettings(temperature=0.8),
-    SamplingSettings(temperature=1.3, top_k=6),
-    SamplingSettings(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.3, top_k=6),
+    SamplingParams(temperature=1.0, top_p=0.8),
 ]
 
 
@@ -45,9 +48,9 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def exact_joint(target, s: SamplingSettings) -> np.ndarray:
+def exact_joint(target, s: SamplingParams) -> np.ndarray:
     """P(token 2 = a, token 3 = b) [VOCAB, VOCAB] under the target's own sampling."""
-    params = SamplingParams(jnp.array([s.temperature]), jnp.array([s.top_k]), jnp.array([s.top_p]))
+    params = SamplingArrays.of([s])
 
     @jax.jit  # one graph per prefix length (op by op, the three passes took 9-13 s on a 2-core CPU)
     def last_probs(weights, tokens):
@@ -67,9 +70,9 @@ def exact_joint(target, s: SamplingSettings) -> np.ndarray:
     return joint / joint.sum()
 
 
-def sampled_joint(target, draft, s: SamplingSettings, tree=None, graphs=None) -> np.ndarray:
+def sampled_joint(target, draft, s: SamplingParams, tree=None, graphs=None) -> np.ndarray:
     """draft: a draft model or jaxspec.ngram.Ngram, K = 2 (or `tree`)."""
-    reqs = [Request(PROMPT, 3, s, seed) for seed in range(N)]
+    reqs = [Request(PROMPT, dataclasses.replace(s, max_tokens=3, seed=seed)) for seed in range(N)]
     outs = run(target, reqs, 8192, DecodeMethod.of(draft, 2, tree), draft, graphs=graphs)
     counts = np.zeros((VOCAB, VOCAB))
     for o in outs:

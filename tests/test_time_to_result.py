@@ -9,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from tiny_models import request
 
 import jaxspec
 from jaxspec import compile_cache
@@ -19,7 +20,6 @@ from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.jobs.local import plan_chunks
 from jaxspec.jobs.records import prepare, read_input
 from jaxspec.serving.batching import batch_shapes, bucket, cache_capacity
-from jaxspec.serving.requests import Request, SamplingSettings
 from jaxspec.serving.runner import run
 from jaxspec.xla_flags import with_defaults
 
@@ -95,7 +95,7 @@ def test_the_cache_folder_follows_the_flag_then_the_environment(tmp_path, monkey
 
 
 def test_accelerators_pad_every_batch_of_a_call_to_one_row_count_budget_and_capacity(monkeypatch):
-    req = lambda n, budget: Request((1,) * n, budget, SamplingSettings(), 0)  # noqa: E731
+    req = lambda n, budget: request((1,) * n, budget)  # noqa: E731
     groups = [[req(5, 10)] * 3, [req(40, 30)], [req(20, 60)] * 9]
     own = [(4, 16, 16), (1, 64, 32), (16, 32, 64)]  # the CPU: each its own
     assert batch_shapes(groups, slack=4) == [(r, p, m, cache_capacity(p, m, 4)) for r, p, m in own]
@@ -105,11 +105,11 @@ def test_accelerators_pad_every_batch_of_a_call_to_one_row_count_budget_and_capa
     assert batch_shapes(groups, slack=4) == [(16, 16, 64, widest), (16, 64, 64, widest), (16, 32, 64, widest)]
 
 
-def prompt_bucket_pair(tokenizer) -> list[Request]:
+def prompt_bucket_pair(tokenizer) -> list:
     """Four requests, two batches of two, alike in rows, budget and cache capacity (with and
     without a chain of 3's slack) and unlike in prompt bucket (16, 32)."""
     prompts = [tokenizer.encode(p)[:n] for p, n in zip(load_prompts(limit=4), (10, 12, 20, 24))]
-    requests = [Request(tuple(p), 40, SamplingSettings(), 0) for p in prompts]
+    requests = [request(p, 40) for p in prompts]
     for slack in (0, 4):
         shapes = batch_shapes([requests[:2], requests[2:]], slack)
         assert [s[1] for s in shapes] == [16, 32] and shapes[0][2:] == shapes[1][2:]

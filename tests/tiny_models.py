@@ -49,3 +49,11 @@ def save_tiny(path, family: str, overrides: dict | None = None, seed: int = 0):
     """Builds a tiny model and saves it as a HF folder (safetensors) at `path`; returns path."""
     build_tiny_hf(family, overrides or {}, seed).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def request(ids, max_tokens: int, seed: int = 0, **sampling):
+    """A Request for the token ids `ids`: greedy unless `sampling` (SamplingParams fields) says otherwise."""
+    from jaxspec.sampling_params import SamplingParams
+    from jaxspec.serving.requests import Request
+
+    return Request(tuple(ids), SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens, seed=seed))

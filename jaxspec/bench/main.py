@@ -25,7 +25,8 @@ from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_
 from jaxspec.distributed import add_parallel_args
 from jaxspec.errors import CheckpointError, InputError
 from jaxspec.model.loading import load
-from jaxspec.serving.generate import generate, resolve_attention
+from jaxspec.serving.generate import generate
+from jaxspec.serving.options import RunOptions
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -170,7 +171,7 @@ def run_bench(args) -> int:
         if args.trees:  # refused before anything is loaded or timed
             raise InputError(f"--trees: deterministic mode verifies chains only; time trees without --deterministic "
                              f"(got {args.trees!r})")
-        args.attention = resolve_attention(args.attention, True)
+        args.attention = RunOptions(args.attention, True).attention_impl
     if args.shape:
         args.batch_sizes = args.batch_sizes or [1, 8, 32, 64]
         return run_scale_bench(args)

@@ -14,6 +14,7 @@ Each row of the job ends at its own budget. Two cases of it:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,8 +23,9 @@ from jaxspec.bench.workloads import lognormal_budgets
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.jobs.local import plan_chunks
 from jaxspec.jobs.records import Record
-from jaxspec.serving.generate import resolve_attention
-from jaxspec.serving.requests import Request, SamplingSettings
+from jaxspec.sampling_params import GREEDY
+from jaxspec.serving.options import RunOptions
+from jaxspec.serving.requests import Request
 from jaxspec.serving.runner import run
 
 LENGTHS = ("seen", "hidden")
@@ -40,7 +42,7 @@ def lengths_cases(text: str) -> list[str]:
 def lognormal_requests(prompts: list[list[int]], seed: int = 0, cap: int = 1024):
     """One greedy Request per prompt, its budget drawn from the fixed-seed lognormal mix (at most cap)."""
     budgets = lognormal_budgets(len(prompts), cap=cap, seed=seed)
-    return [Request(tuple(p), b, SamplingSettings(), 0) for p, b in zip(prompts, budgets)]
+    return [Request(tuple(p), dataclasses.replace(GREEDY, max_tokens=int(b))) for p, b in zip(prompts, budgets)]
 
 
 def _seen_static(requests) -> list[list[int]]:
@@ -100,7 +102,7 @@ def format_row(r: dict) -> str:
 def run_embedded(args, target, draft, prompts) -> list[dict]:
     """`jaxspec bench --parts continuous` on the embedded pair (or --target/--draft): plain, each
     --k chain and each --ngram-k lookup, at each batch size."""
-    attention = resolve_attention(args.attention)
+    attention = RunOptions(args.attention).attention_impl
     requests = lognormal_requests(prompts, args.seed)
     methods = [(DecodeMethod(), "plain")] + [(DecodeMethod("draft", k), f"K={k}") for k in args.k]
     methods += [(DecodeMethod("ngram", k), f"ngram K={k}") for k in args.ngram_k]

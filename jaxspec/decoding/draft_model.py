@@ -14,18 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoding.drafting import Round
-from jaxspec.decoding.sampling import SamplingParams, filtered_logits
+from jaxspec.decoding.drafting import DrafterKind, Round
+from jaxspec.decoding.sampling import SamplingArrays, filtered_logits
 from jaxspec.decoding.state import prefill
 from jaxspec.decoding.tree_verify import TreePlan, move_path
 from jaxspec.decoding.trees import Tree, ancestor_mask, chain
 from jaxspec.model.cache import KVCache
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import forward
+from jaxspec.model.loading import Model
 from jaxspec.model.weights import Weights
 
 
-def _pick(logits: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool):
+def _pick(logits: jnp.ndarray, sampling: SamplingArrays, keys: jnp.ndarray, greedy_only: bool):
     """Draft choice at one position: ([b] tokens, [b, v] distribution drawn from, or None)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
@@ -41,7 +42,7 @@ def _pick(logits: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray, gree
 
 def draft_chain(
     weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray,
-    prev: jnp.ndarray, last: jnp.ndarray, sampling: SamplingParams, keys: jnp.ndarray,
+    prev: jnp.ndarray, last: jnp.ndarray, sampling: SamplingArrays, keys: jnp.ndarray,
     greedy_only: bool, attention: str = "xla",
 ):
     """Proposes K tokens per row (K = keys.shape[1]); returns (tokens [b, K], q [b, K, v] or
@@ -69,7 +70,7 @@ def draft_chain(
 
 def draft_tree(
     weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray, prev: jnp.ndarray,
-    last: jnp.ndarray, plan: TreePlan, sampling: SamplingParams, keys: jnp.ndarray, greedy_only: bool,
+    last: jnp.ndarray, plan: TreePlan, sampling: SamplingArrays, keys: jnp.ndarray, greedy_only: bool,
     attention: str = "xla",
 ):
     """Fills the tree level by level: the top-k children of each node by draft probability
@@ -106,7 +107,7 @@ def draft_tree(
     return tokens, q_all, cache
 
 
-def pick_children(logits, parents: np.ndarray, plan: TreePlan, nodes: np.ndarray, sampling: SamplingParams,
+def pick_children(logits, parents: np.ndarray, plan: TreePlan, nodes: np.ndarray, sampling: SamplingArrays,
                   keys: jnp.ndarray, greedy_only: bool):
     """One tree level's tokens from its parents' logits [b, len(parents), v]: node i is its
     parent's rank-th most likely token (greedy), or an i.i.d. draw from the parent's filtered
@@ -148,3 +149,10 @@ class ModelDrafter:
     def commit(self, weights: Weights, cache: KVCache, r: Round, path, emitted, kept) -> KVCache:
         # A chain's accepted drafts already sit in place; a tree's path moves there.
         return cache if self.is_chain else move_path(cache, r.n - 1, path)
+
+
+KIND = DrafterKind(
+    "draft", "model", takes=Model, trees=True, needs=Model, needs_text="a draft model",
+    build=lambda method, draft, target: (ModelDrafter(draft.config, method.parents), draft.weights),
+    name=lambda method: f"speculative K={method.k}",
+)

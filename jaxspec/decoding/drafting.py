@@ -27,12 +27,13 @@ jaxspec.ngram.NgramDrafter (prompt lookup), jaxspec.decoding.eagle.EagleDrafter 
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from typing import Callable, Protocol
 
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.decoding.trees import Tree
 
 
@@ -44,7 +45,7 @@ class Round:
     prev: jnp.ndarray  # [b] s[n-2]
     last: jnp.ndarray  # [b] s[n-1]
     keys: jnp.ndarray  # [b, t-1, 2] one PRNG key per proposed node
-    sampling: SamplingParams
+    sampling: SamplingArrays
     greedy_only: bool = struct.field(pytree_node=False)
     attention: str = struct.field(pytree_node=False)
 
@@ -57,3 +58,22 @@ class Drafter(Protocol):
     def propose(self, params, state, r: Round): ...
 
     def commit(self, params, state, r: Round, path: jnp.ndarray, emitted: jnp.ndarray, kept: jnp.ndarray): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterKind:
+    """One row of the registry of drafter kinds (jaxspec.decoding.method.DRAFTERS): what a
+    DecodeMethod of this kind runs and how it is named. Each drafter's file defines its row."""
+
+    kind: str  # DecodeMethod.kind: "draft", "ngram", "eagle"
+    label: str  # how summaries and logs name the drafter: "model", "ngram", "eagle"
+    takes: type  # the values of generate's `draft` that mean this kind
+    build: Callable  # (method, draft, target Model) -> (its Drafter, the drafter's arrays or None)
+    name: Callable  # method -> the display name of a chain ("speculative K=3")
+    tree_prefix: str = ""  # before a tree's name ("eagle tree sparse")
+    trees: bool = False  # takes tree= (a static tree instead of a chain)
+    watches_acceptance: bool = True  # each draft costs a model pass: warn when few are accepted
+    settings: type | None = None  # the kind's own settings value (DecodeMethod.settings), if any
+    parents: Callable | None = None  # method -> the tree it drafts when no tree= is given (else a chain)
+    needs: type | None = None  # what `draft` must be when the loop is built
+    needs_text: str = ""  # that, in words

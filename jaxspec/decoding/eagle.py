@@ -27,11 +27,11 @@ import numpy as np
 from flax import struct
 
 from jaxspec.decoding.draft_model import _pick, pick_children
-from jaxspec.decoding.drafting import Round
+from jaxspec.decoding.drafting import DrafterKind, Round
 from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import Tree, ancestor_mask, chain
 from jaxspec.model.cache import KVCache
-from jaxspec.model.eagle import EagleConfig, fuse_features, head_cache, head_forward
+from jaxspec.model.eagle import EagleConfig, EagleHead, fuse_features, head_cache, head_forward
 
 
 @struct.dataclass
@@ -129,3 +129,13 @@ class EagleDrafter:
         """The accepted path's target features [b, D+1, F] and the committed tokens wait as the
         next round's pending pairs."""
         return s.replace(features=features.astype(s.features.dtype), tokens=emitted, count=kept)
+
+
+def _build(method, head, target):
+    """The head's drafter, and its arrays: its weights and the target's embedding."""
+    drafter = EagleDrafter(head.config, method.parents, head.config.layers_for(target.config))
+    return drafter, (head.weights, target.weights.embed)
+
+
+KIND = DrafterKind("eagle", "eagle", takes=EagleHead, trees=True, needs=EagleHead, needs_text="an EAGLE-3 head",
+                   build=_build, name=lambda method: f"eagle K={method.k}", tree_prefix="eagle ")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.checks import check_int
-from jaxspec.decoding.drafting import Round
+from jaxspec.decoding.drafting import DrafterKind, Round
 from jaxspec.decoding.trees import Tree
 from jaxspec.errors import InputError
 
@@ -131,3 +131,27 @@ class Ngram:
 
     def drafter(self, k: int) -> NgramDrafter:
         return NgramDrafter(k, self.branches, self.ngram_min, self.ngram_max)
+
+    @staticmethod
+    def add_cli_args(parser) -> None:
+        g = parser.add_argument_group("n-gram lookup (--draft ngram): proposals copied from the prompt and output")
+        g.add_argument("--ngram-max", type=int, default=3, help="longest suffix looked up (default 3)")
+        g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up (default 1)")
+        g.add_argument("--ngram-branches", type=int, default=1,
+                       help="verify up to this many distinct continuations as a tree (default 1: a chain)")
+
+    @classmethod
+    def from_cli(cls, args) -> "Ngram":
+        return cls(args.ngram_min, args.ngram_max, args.ngram_branches)
+
+
+def _name(method) -> str:
+    branches = method.settings.branches
+    return f"ngram K={method.k}" + (f" x{branches}" if branches > 1 else "")
+
+
+KIND = DrafterKind(
+    "ngram", "ngram", takes=Ngram, settings=Ngram, watches_acceptance=False,  # proposals cost no model pass
+    build=lambda method, draft, target: (method.settings.drafter(method.k), None),
+    name=_name, parents=lambda method: method.settings.drafter(method.k).tree,
+)

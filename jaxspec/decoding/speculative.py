@@ -22,7 +22,7 @@ from flax import struct
 from jaxspec.decoding.acceptance import accept_greedy, accept_sampling
 from jaxspec.decoding.drafting import Drafter, Round
 from jaxspec.decoding.sampling import (
-    SamplingParams,
+    SamplingArrays,
     filtered_logits,
     row_keys,
     sample_tokens,
@@ -61,7 +61,7 @@ class SpecState:
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
 
 
-def _target_distribution(logits: jnp.ndarray, sampling: SamplingParams) -> jnp.ndarray:
+def _target_distribution(logits: jnp.ndarray, sampling: SamplingArrays) -> jnp.ndarray:
     """[b, t, v]: the filtered sampling distribution, one-hot argmax for greedy rows."""
     one_hot = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
     p = jax.nn.softmax(filtered_logits(logits, sampling), axis=-1)
@@ -69,7 +69,7 @@ def _target_distribution(logits: jnp.ndarray, sampling: SamplingParams) -> jnp.n
 
 
 def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache, tokens, q, n, keys,
-           sampling: SamplingParams, greedy_only: bool, attention: str, features_at=()):
+           sampling: SamplingArrays, greedy_only: bool, attention: str, features_at=()):
     """The target's pass over the proposed nodes and the lossless acceptance.
     tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
     -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.model.cache import KVCache
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import forward
@@ -23,7 +23,7 @@ class Batch:
     tokens: jnp.ndarray  # [b, t] int32 prompts, right-padded
     prompt_lens: jnp.ndarray  # [b] int32; 0 marks a padding row
     max_new_tokens: jnp.ndarray  # [b] int32
-    sampling: SamplingParams
+    sampling: SamplingArrays
     seeds: jnp.ndarray  # [b] uint32
 
 

@@ -20,7 +20,7 @@ from jaxspec.errors import InputError
 from jaxspec.jobs.settings import check_sample
 from jaxspec.model.loading import Model
 from jaxspec.serving.batching import bucket
-from jaxspec.serving.generate import resolve_attention
+from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
 from jaxspec.serving.runner import run
 from jaxspec.serving.stats import Completions
@@ -209,7 +209,7 @@ def candidates(draft, settings) -> list[DecodeMethod]:
             methods += [DecodeMethod(kind, k) for k in settings.auto_ks]
             methods += [DecodeMethod(kind, tree=name) for name in settings.auto_trees]
     ngram = drafts.get("ngram")
-    methods += [DecodeMethod("ngram", k, ngram=ngram if isinstance(ngram, Ngram) else None)
+    methods += [DecodeMethod("ngram", k, settings=ngram if isinstance(ngram, Ngram) else None)
                 for k in settings.auto_ngram_ks]
     return list(dict.fromkeys(methods))
 
@@ -244,7 +244,7 @@ def run_canary(
         if m.kind in ("draft", "eagle") and m.kind not in drafts:
             raise InputError(f"the canary's candidate {m.name!r} needs a "
                              f"{'draft model' if m.kind == 'draft' else 'EAGLE-3 head'} among the drafts")
-    attention = resolve_attention("auto", deterministic)  # the fused kernel on GPUs, as the job runs
+    attention = RunOptions("auto", deterministic).attention_impl  # the fused kernel on GPUs, as the job runs
     trials = [Trial(m) for m in methods]
     active = list(trials)
     for p in range(repeats):

@@ -156,12 +156,12 @@ class _Job:
         self.target, self.drafts, self.settings = target, drafts, settings
         self.method = method  # the canary may replace it
         self.canary_methods = canary
-        self.defaults, self.paths = settings.defaults, settings.paths(out_path)
+        self.defaults, self.paths = settings.sampling, settings.paths(out_path)
         self.state = _RunState(start)
         self.decision = None
         self.mlog = MetricsLog(self.paths["metrics_log"], model=target.name, draft=drafts_name(drafts),
                                job=str(out_path))
-        self.watch = AcceptanceWatch(settings.warn_below_acceptance, drafts_name(drafts) or "", target.name)
+        self.watch = AcceptanceWatch(settings.options.warn_below_acceptance, drafts_name(drafts) or "", target.name)
         self.bar = None
 
     @property
@@ -248,7 +248,7 @@ class _Job:
         self.decision = run_canary(
             self.target, list(self.drafts.values()), [[r.request for r in c] for c in chunks], s.batch_size,
             self.canary_methods,
-            repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass, deterministic=s.deterministic,
+            repeats=s.auto_repeats, min_speedup=s.auto_min_speedup, on_pass=on_pass, deterministic=s.options.deterministic,
         )
         self.method = self.decision.method
         if self.method.speculative:
@@ -273,9 +273,9 @@ class _Job:
         report.write_json(self.paths["summary"], summary)
         self.mlog.write("summary", **{k: summary[k] for k in ("totals", "this_run", "settings")})
         rate = summary["totals"]["acceptance_rate"]
-        if self.method.watches_acceptance and rate is not None and rate < self.settings.warn_below_acceptance and not self.watch.warnings:
+        if self.method.watches_acceptance and rate is not None and rate < self.settings.options.warn_below_acceptance and not self.watch.warnings:
             # This run's batches stayed above the threshold but the whole job (resumed) did not.
-            log.warning(low_acceptance_message(rate, self.settings.warn_below_acceptance, self.watch.draft_name,
+            log.warning(low_acceptance_message(rate, self.settings.options.warn_below_acceptance, self.watch.draft_name,
                                                self.target.name))
         return summary
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.jobs.records import Record
 from jaxspec.serving.batching import bucket
-from jaxspec.serving.generate import resolve_attention
 from jaxspec.serving.runner import run
 
 
@@ -28,7 +27,7 @@ def plan_chunks(records: list[Record], batch_size: int) -> list[list[Record]]:
 def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod, emit) -> None:
     """Serves `todo` by `method` with settings.scheduler at settings.batch_size; emit(records,
     completions, decode_s, compile_s, worker=None) as records finish."""
-    attention = resolve_attention("auto", settings.deterministic)  # the fused kernel on GPUs (XLA's on the CPU)
+    attention = settings.options.attention_impl  # the fused kernel on GPUs (XLA's on the CPU)
     if settings.scheduler == "continuous":
         def on_done(pairs, decode_s, compile_s):  # rows written as they finish, a return to the host at a time
             emit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, None)

@@ -8,18 +8,12 @@ import json
 from pathlib import Path
 
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.jobs.settings import JobDefaults
 from jaxspec.model.loading import Model
-from jaxspec.serving.requests import (
-    Request,
-    SamplingSettings,
-    check_max_new_tokens,
-    check_seed,
-    check_token_ids,
-    encode_prompt,
-)
+from jaxspec.sampling_params import ALIASES, SamplingParams
+from jaxspec.serving.requests import Request, check_token_ids, encode_prompt
 
-SETTING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+# A record's own sampling settings: SamplingParams' fields (and their aliases), over the job's.
+SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)) + tuple(ALIASES)
 MAX_LISTED_DUPLICATES = 20
 
 
@@ -100,7 +94,7 @@ def render_messages(messages, tokenizer, model_name: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
 
-def build_request(data: dict, target: Model, defaults: JobDefaults) -> Request:
+def build_request(data: dict, target: Model, defaults: SamplingParams) -> Request:
     """A record's Request, its own settings overriding the job's; InputError names the field."""
     if "prompt" in data and "messages" in data:
         raise InputError('give either "prompt" or "messages", not both')
@@ -112,17 +106,14 @@ def build_request(data: dict, target: Model, defaults: JobDefaults) -> Request:
         raise InputError('prompt is missing: each record needs a "prompt" (text) or "messages" (a chat)')
     if "prompt_version" in data and not isinstance(data["prompt_version"], str):
         raise InputError(f"prompt_version must be a string; got {data['prompt_version']!r}")
-    s = {f: data.get(f, getattr(defaults, f)) for f in SETTING_FIELDS}
-    max_new = check_max_new_tokens(s["max_new_tokens"])
-    sampling = SamplingSettings(s["temperature"], s["top_k"], s["top_p"])
-    seed = check_seed(s["seed"])
+    sampling = defaults.updated({f: data[f] for f in SETTING_FIELDS if f in data})
     c = target.config
     ids = check_token_ids(encode_prompt(prompt, target.tokenizer, "prompt"), c.vocab_size,
-                          c.max_position_embeddings, max_new, "prompt")
-    return Request(ids, max_new, sampling, seed)
+                          c.max_position_embeddings, sampling.max_tokens, "prompt")
+    return Request(ids, sampling)
 
 
-def prepare(record: Record, target: Model, defaults: JobDefaults) -> Record:
+def prepare(record: Record, target: Model, defaults: SamplingParams) -> Record:
     if record.error is None:
         try:
             record.request = build_request(record.data, target, defaults)

@@ -11,28 +11,12 @@ from jaxspec.checks import check_int, check_number, is_int, is_number
 from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, MAX_DRAFT_TOKENS
 from jaxspec.decoding.trees import resolve_tree
 from jaxspec.errors import InputError
-from jaxspec.serving.requests import SamplingSettings, check_max_new_tokens, check_seed
+from jaxspec.sampling_params import GREEDY, SamplingParams
+from jaxspec.serving.options import RunOptions
 from jaxspec.serving.runner import SCHEDULERS
-from jaxspec.serving.warnings import DEFAULT_WARN_BELOW
 
 AUTO_KS = (2, 3, 4)  # draft-model chain lengths the canary tries by default
 AUTO_NGRAM_KS = (4, 8)  # n-gram lookup lengths the canary tries by default
-
-
-@dataclasses.dataclass(frozen=True)
-class JobDefaults:
-    """Settings for records that do not give their own."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        check_max_new_tokens(self.max_new_tokens)
-        SamplingSettings(self.temperature, self.top_k, self.top_p)
-        check_seed(self.seed)
 
 
 def check_sample(sample) -> float | int:
@@ -61,7 +45,12 @@ class JobSettings:
     """How a batch job runs; see jaxspec.jobs.job.run_job.
 
     num_draft_tokens: K for the job's draft (a draft model's chain, or n-gram lookup).
-    max_new_tokens, temperature, top_k, top_p, seed: defaults for records without their own.
+    sampling: the jaxspec.SamplingParams of records that give none of their own (a record's own
+    settings are put over it); default: greedy, 128 tokens, seed 0.
+    options: the run options (jaxspec.serving.options.RunOptions: deterministic,
+    warn_below_acceptance); a job's attention is always "auto".
+    Shorthand keywords set one field of those: max_new_tokens, temperature, top_k, top_p, min_p,
+    seed (sampling); deterministic, warn_below_acceptance (options).
     batch_size: records decoded at once: slots of the continuous scheduler, rows of a static batch.
     scheduler: "continuous" refills a slot as soon as its record finishes, writing the records
     that finished at each return to the host in one durable write; "static" runs padded batches
@@ -72,9 +61,9 @@ class JobSettings:
     auto_ks and each named tree in auto_trees, and n-gram lookup at each K in auto_ngram_ks, on a
     sample (auto_sample: a fraction in (0, 1], at least 8 records and two batches, or a count),
     best of auto_repeats passes; speculation is chosen only when auto_min_speedup times faster.
-    warn_below_acceptance: warn when the running acceptance rate falls below it.
-    deterministic: each record's tokens depend on that record alone, bit for bit, whatever the
-    batch size, scheduler or drafter (docs/deterministic.md); the canary then tries no trees.
+    With options.deterministic each record's tokens depend on that record alone, bit for bit,
+    whatever the batch size, scheduler or drafter (docs/deterministic.md); the canary then tries
+    no trees.
     workers: model replicas; more than 1 runs them as Ray actors (the `distributed` extra), each
     with gpus_per_worker GPUs (default: the target's tensor_parallel on GPUs, none on the CPU),
     on a local Ray instance or the cluster at ray_address ("auto", "HOST:PORT").
@@ -83,11 +72,8 @@ class JobSettings:
     """
 
     num_draft_tokens: int = DEFAULT_NUM_DRAFT
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: SamplingParams = GREEDY
+    options: RunOptions = RunOptions()
     batch_size: int = 8
     scheduler: str = "continuous"
     refill_at: int | None = None
@@ -98,8 +84,6 @@ class JobSettings:
     auto_ngram_ks: tuple[int, ...] = AUTO_NGRAM_KS
     auto_repeats: int = 2
     auto_min_speedup: float = 1.05
-    warn_below_acceptance: float = DEFAULT_WARN_BELOW
-    deterministic: bool = False
     workers: int = 1
     gpus_per_worker: float | None = None
     ray_address: str | None = None
@@ -107,16 +91,36 @@ class JobSettings:
     summary_path: str | Path | None = None
     plot_path: str | Path | bool | None = True
     progress: bool = True
+    # shorthand keywords, folded into `sampling` and `options` (None afterwards)
+    max_new_tokens: dataclasses.InitVar[int | None] = None
+    temperature: dataclasses.InitVar[float | None] = None
+    top_k: dataclasses.InitVar[int | None] = None
+    top_p: dataclasses.InitVar[float | None] = None
+    min_p: dataclasses.InitVar[float | None] = None
+    seed: dataclasses.InitVar[int | None] = None
+    deterministic: dataclasses.InitVar[bool | None] = None
+    warn_below_acceptance: dataclasses.InitVar[float | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, max_new_tokens, temperature, top_k, top_p, min_p, seed, deterministic,
+                      warn_below_acceptance):
         check_int(self.num_draft_tokens, "num_draft_tokens", 1, MAX_DRAFT_TOKENS)
-        self.defaults  # noqa: B018  (checks the per-record defaults)
+        if not isinstance(self.sampling, SamplingParams):
+            raise InputError(f"sampling must be a jaxspec.SamplingParams; got {self.sampling!r}")
+        if not isinstance(self.options, RunOptions):
+            raise InputError(f"options must be a RunOptions; got {self.options!r}")
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     seed=seed)
+        object.__setattr__(self, "sampling", self.sampling.updated({k: v for k, v in given.items() if v is not None}))
+        run = dict(deterministic=deterministic, warn_below_acceptance=warn_below_acceptance)
+        object.__setattr__(self, "options", self.options.updated({k: v for k, v in run.items() if v is not None}))
+        if self.options.attention != "auto":
+            raise InputError(f"a batch job's attention is auto (the fused kernel on GPUs); got {self.options.attention!r}")
         check_int(self.batch_size, "batch_size", 1)
         if self.scheduler not in SCHEDULERS:
             raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {self.scheduler!r}")
         if self.refill_at is not None:
             check_int(self.refill_at, "refill_at", 1)
-        for name in ("auto", "progress", "deterministic"):
+        for name in ("auto", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True or False; got {getattr(self, name)!r}")
         check_sample(self.auto_sample)
@@ -125,14 +129,13 @@ class JobSettings:
         if isinstance(self.auto_trees, str):
             raise InputError(f"auto_trees must be a list of tree names; got {self.auto_trees!r}")
         object.__setattr__(self, "auto_trees", tuple(self.auto_trees))
-        if self.deterministic and self.auto_trees:
+        if self.options.deterministic and self.auto_trees:
             raise InputError(f"auto_trees must be empty with deterministic (it verifies chains only); "
                              f"got {list(self.auto_trees)}")
         for name in self.auto_trees:
             resolve_tree(name)
         check_int(self.auto_repeats, "auto_repeats", 1)
         check_number(self.auto_min_speedup, "auto_min_speedup", "a number > 0", lambda x: x > 0)
-        check_number(self.warn_below_acceptance, "warn_below_acceptance", "in [0, 1]", lambda x: 0 <= x <= 1)
         check_int(self.workers, "workers", 1)
         if self.gpus_per_worker is not None:
             check_number(self.gpus_per_worker, "gpus_per_worker", "a number >= 0", lambda x: x >= 0)
@@ -142,10 +145,6 @@ class JobSettings:
         _path_or_flag(self.plot_path, "plot_path")
         if self.summary_path is not None and not isinstance(self.summary_path, (str, Path)):
             raise InputError(f"summary_path must be a path or None; got {self.summary_path!r}")
-
-    @property
-    def defaults(self) -> JobDefaults:
-        return JobDefaults(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed)
 
     def paths(self, out_path: Path) -> dict[str, Path | None]:
         """Where the summary, plot and metrics log go for output OUT.jsonl (None: not written)."""

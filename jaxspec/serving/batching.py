@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.decoding.state import Batch
+from jaxspec.sampling_params import row_values
 from jaxspec.serving.requests import Request
 from pallas_kernels.tree_attention import BLOCK_K
 
@@ -48,17 +49,14 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
     tokens = np.full((batch_size, prompt_len), pad_id, np.int32)
     lens = np.zeros(batch_size, np.int32)
     max_new = np.ones(batch_size, np.int32)
-    temp = np.zeros(batch_size, np.float32)
-    top_k = np.zeros(batch_size, np.int32)
-    top_p = np.ones(batch_size, np.float32)
     seeds = np.zeros(batch_size, np.uint32)
     for i, r in enumerate(requests):
         tokens[i, : len(r.token_ids)] = r.token_ids
         lens[i] = len(r.token_ids)
         max_new[i] = r.max_new_tokens
-        temp[i], top_k[i], top_p[i] = r.sampling.temperature, r.sampling.top_k, r.sampling.top_p
         seeds[i] = r.seed
-    return Batch(tokens, lens, max_new, SamplingParams(temp, top_k, top_p), seeds)
+    sampling = SamplingArrays(row_values([r.sampling for r in requests], batch_size))
+    return Batch(tokens, lens, max_new, sampling, seeds)
 
 
 def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:

@@ -2,75 +2,75 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
-
-import jax
 
 from jaxspec.checks import check_int
 from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, DecodeMethod
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
-from jaxspec.model.forward import ATTENTION_IMPLS
 from jaxspec.model.loading import Model, check_draft_model, replicated_on
-from jaxspec.serving.requests import (
-    Request,
-    SamplingSettings,
-    check_max_new_tokens,
-    check_token_ids,
-    encode_prompt,
-    seeds_for,
-)
+from jaxspec.sampling_params import ALIASES, GREEDY, SamplingParams
+from jaxspec.serving.options import RUN_FIELDS, RunOptions
+from jaxspec.serving.requests import Request, check_token_ids, encode_prompt, per_prompt
 from jaxspec.serving.runner import run
 from jaxspec.serving.stats import Completions
-from jaxspec.serving.warnings import DEFAULT_WARN_BELOW, low_acceptance_message
+from jaxspec.serving.warnings import low_acceptance_message
 
 log = logging.getLogger("jaxspec")
 
 
-def build_requests(
-    prompts, model: Model, max_new_tokens, temperature, top_k, top_p, seed
-) -> list[Request]:
+def build_requests(prompts, model: Model, sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
+    """One checked Request per prompt: `sampling` for all of them, or one SamplingParams per prompt."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
         raise InputError("prompts must be a non-empty list of strings or of token-id lists")
-    max_new_tokens = check_max_new_tokens(max_new_tokens)
-    sampling = SamplingSettings(temperature, top_k, top_p)
-    seeds = seeds_for(seed, len(prompts))
     c = model.config
     requests = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, params) in enumerate(zip(prompts, per_prompt(sampling, len(prompts), "sampling"))):
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"sampling must be a jaxspec.SamplingParams or a list of one per prompt; got {params!r}")
         field = f"prompts[{i}]"
         ids = encode_prompt(prompt, model.tokenizer, field)
-        ids = check_token_ids(ids, c.vocab_size, c.max_position_embeddings, max_new_tokens, field)
-        requests.append(Request(ids, max_new_tokens, sampling, seeds[i]))
+        ids = check_token_ids(ids, c.vocab_size, c.max_position_embeddings, params.max_tokens, field)
+        requests.append(Request(ids, params))
     return requests
 
 
-def resolve_attention(attention, deterministic: bool = False) -> str:
-    """"auto" -> the fused Pallas kernel on GPUs, XLA's attention on the CPU; else checked.
-    deterministic: "deterministic" (its own kernels; docs/deterministic.md), which "auto" allows."""
-    if not isinstance(deterministic, bool):
-        raise InputError(f"deterministic must be True or False; got {deterministic!r}")
-    if deterministic:
-        if attention not in ("auto", "deterministic"):
-            raise InputError(f"deterministic mode runs its own attention kernel: leave attention 'auto'; "
-                             f"got {attention!r}")
-        return "deterministic"
-    if attention == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
-    if attention not in ATTENTION_IMPLS:
-        raise InputError(f"attention must be one of auto, {', '.join(ATTENTION_IMPLS)}; got {attention!r}")
-    return attention
-
-
-def resolve_draft(draft, ngram_min: int = 1, ngram_max: int = 3, ngram_branches: int = 1):
-    """A draft model as it is; "ngram" -> the n-gram settings (checked)."""
+def resolve_draft(draft, settings=None):
+    """A draft model as it is; "ngram" -> the n-gram settings (`settings`, or the defaults)."""
     if isinstance(draft, str):
         if draft != "ngram":
             raise InputError(f'draft must be a model from jaxspec.load, "ngram" or None; got {draft!r}')
-        return Ngram(ngram_min, ngram_max, ngram_branches)
+        return settings if settings is not None else Ngram()
     return draft
+
+
+# generate's shorthand keywords by the value each one sets (SamplingParams' fields are its own).
+METHOD_KEYWORDS = ("num_draft_tokens", "tree", "ngram_min", "ngram_max", "ngram_branches")
+
+
+def split_shorthand(keywords: dict) -> tuple[dict, dict, dict]:
+    """generate's loose keywords -> (sampling fields, method keywords, run options); a seed or
+    other sampling keyword may be a list of one per prompt. An unknown keyword is an InputError."""
+    sampling_names = {f.name for f in dataclasses.fields(SamplingParams)} | set(ALIASES)
+    parts: tuple[dict, dict, dict] = ({}, {}, {})
+    for key, value in keywords.items():
+        where = 0 if key in sampling_names else 1 if key in METHOD_KEYWORDS else 2 if key in RUN_FIELDS else None
+        if where is None:
+            known = sorted(sampling_names | set(METHOD_KEYWORDS) | set(RUN_FIELDS))
+            raise InputError(f"generate() got an unknown keyword {key!r}; known: {', '.join(known)}")
+        parts[where][key] = value
+    return parts
+
+
+def _method(draft, keywords: dict) -> tuple[object, DecodeMethod]:
+    """(the draft, its DecodeMethod) from generate's draft and method keywords."""
+    ngram_keys = {k: keywords.pop(k) for k in ("ngram_min", "ngram_max", "ngram_branches") if k in keywords}
+    draft = resolve_draft(draft, Ngram(**{k.replace("ngram_branches", "branches"): v for k, v in ngram_keys.items()})
+                          if ngram_keys else None)
+    return draft, DecodeMethod.of(draft, keywords.get("num_draft_tokens", DEFAULT_NUM_DRAFT), keywords.get("tree"))
 
 
 def check_pair(target: Model, draft, method: DecodeMethod) -> None:
@@ -95,55 +95,63 @@ def generate(
     target: Model,
     draft: Model | str | Ngram | None = None,
     *,
-    max_new_tokens: int = 128,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | Sequence[int] = 0,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    method: DecodeMethod | None = None,
+    options: RunOptions | None = None,
     max_batch_size: int = 32,
-    warn_below_acceptance: float = DEFAULT_WARN_BELOW,
-    attention: str = "auto",
-    deterministic: bool = False,
-    tree=None,
-    ngram_min: int = 1,
-    ngram_max: int = 3,
-    ngram_branches: int = 1,
     graphs: GraphCache | None = None,
+    **shorthand,
 ) -> Completions:
     """Generates a completion for each prompt with the target model, speculatively when a draft
-    is given (K = num_draft_tokens drafts verified per target pass), plainly otherwise.
-    draft: a draft model sharing the target's vocabulary, or "ngram": prompt lookup, proposing
-    the K tokens that followed the most recent earlier occurrence of the row's last
-    ngram_max..ngram_min tokens in its prompt and output (no draft model; jaxspec.ngram);
-    ngram_branches > 1 verifies that many distinct continuations as a tree.
+    is given, plainly otherwise. Output is lossless: greedy output equals the target's own greedy
+    output token for token, and sampled output is distributed exactly as the target's sampling.
 
-    Output is lossless: greedy output equals the target's own greedy output token for token,
-    and sampled output is distributed exactly as the target's sampling distribution.
     prompts: strings (tokenized with the target's tokenizer) or lists of token ids.
-    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. seed: one int for all
-    prompts or one int per prompt; a prompt's random stream depends on its seed and token
-    positions only, never on its batch neighbours (so two equal prompts with one seed sample the
-    same text: give a seed per prompt for independent samples).
-    tree: a static draft tree instead of a chain: a parents array (node 0 = the last committed
-    token, parent -1; see jaxspec.trees) or a name from jaxspec.trees.NAMED_TREES.
-    attention: "xla", "pallas" (the fused Pallas kernel for decode/verify steps; GPU, or CPU in
-    interpret mode for tests) or "auto" (pallas on GPUs, xla on the CPU).
-    deterministic: every row's result depends on that row alone, bit for bit, in any dtype: the
-    same prompt gives the same tokens alone or in any batch, plainly or speculatively, under
-    either scheduler (docs/deterministic.md). Chains only: a tree is refused.
+    draft: a draft model sharing the target's vocabulary, an EAGLE-3 head, or "ngram" (prompt
+    lookup: the tokens that followed the most recent earlier occurrence of the row's last tokens;
+    jaxspec.ngram.Ngram for its settings).
+    sampling: a jaxspec.SamplingParams for every prompt, or a list of one per prompt (vLLM's
+    fields and defaults). Without it: greedy, 128 new tokens, seed 0.
+    method: a jaxspec.DecodeMethod (kind, K, tree, the drafter's settings); default: the draft's,
+    K = 3. options: a RunOptions (attention, deterministic, warn_below_acceptance).
     graphs: the compiled-graph cache (jaxspec.GraphCache); default: the target's own.
+
+    Shorthand keywords, each setting one field of those values (a sampling keyword over
+    `sampling`'s, or the greedy defaults): max_new_tokens (= max_tokens), temperature (0 is
+    greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off), seed (an int, or one per prompt:
+    a prompt's random stream depends on its seed and token positions only, so two equal prompts
+    with one seed sample the same text); num_draft_tokens (K), tree (a parents array or a name
+    from jaxspec.trees.NAMED_TREES), ngram_min, ngram_max, ngram_branches; attention ("auto",
+    "xla", "pallas"), deterministic (the same tokens alone or in any batch, bit for bit;
+    docs/deterministic.md), warn_below_acceptance.
+
     Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
-    warning when the call's acceptance rate is below `warn_below_acceptance`.
+    warning when the call's acceptance rate is below options.warn_below_acceptance.
     """
     check_int(max_batch_size, "max_batch_size", 1)
-    draft = resolve_draft(draft, ngram_min, ngram_max, ngram_branches)
-    method = DecodeMethod.of(draft, num_draft_tokens, tree)
+    sampling_keys, method_keys, run_keys = split_shorthand(shorthand)
+    if method is not None and method_keys:
+        raise InputError(f"give the decode method once: method= or {', '.join(method_keys)}, not both")
+    if method is None:
+        draft, method = _method(draft, method_keys)
+    else:
+        draft = resolve_draft(draft, method.settings if method.kind == "ngram" else None)
+    options = (options or RunOptions()).updated(run_keys)
     check_pair(target, draft, method)
-    requests = build_requests(prompts, target, max_new_tokens, temperature, top_k, top_p, seed)
+    requests = build_requests(prompts, target, with_keywords(sampling, sampling_keys, len(prompts)))
     # Past one batch, slots are refilled as rows finish rather than waiting for a batch's longest.
     scheduler = "continuous" if len(requests) > max_batch_size else "static"
-    outs = run(target, requests, max_batch_size, method, draft, attention=resolve_attention(attention, deterministic),
+    outs = run(target, requests, max_batch_size, method, draft, attention=options.attention_impl,
                scheduler=scheduler, graphs=graphs)
-    warn_if_low(outs, method, draft, target, warn_below_acceptance)
+    warn_if_low(outs, method, draft, target, options.warn_below_acceptance)
     return outs
+
+
+def with_keywords(sampling, keywords: dict, n: int):
+    """`sampling` (one SamplingParams, a list of one per prompt, or None: the greedy defaults) with
+    the shorthand sampling keywords put over it; a keyword's list gives one value per prompt."""
+    if not keywords:
+        return sampling if sampling is not None else GREEDY
+    bases = per_prompt(sampling if sampling is not None else GREEDY, n, "sampling")
+    values = {k: per_prompt(v, n, k) for k, v in keywords.items()}
+    return [base.updated({k: v[i] for k, v in values.items()}) for i, base in enumerate(bases)]

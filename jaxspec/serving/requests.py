@@ -5,53 +5,37 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jaxspec.checks import check_int, check_number, is_int
+from jaxspec.checks import is_int
 from jaxspec.errors import InputError
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingSettings:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-
-    def __post_init__(self):
-        check_sampling(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from jaxspec.sampling_params import GREEDY, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """One prompt's tokens and its settings (a seed always set: SamplingParams.with_seed)."""
+
     token_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingSettings
-    seed: int
+    sampling: SamplingParams = GREEDY
+
+    def __post_init__(self):
+        object.__setattr__(self, "sampling", self.sampling.with_seed())
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def seed(self) -> int:
+        return self.sampling.seed
 
 
-def check_sampling(temperature, top_k, top_p) -> None:
-    check_number(temperature, "temperature", "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
-    check_int(top_k, "top_k", 0, note=" (0 = off)")
-    check_number(top_p, "top_p", "in (0, 1] (1 = off)", lambda p: 0 < p <= 1)
-
-
-def check_max_new_tokens(max_new_tokens) -> int:
-    return check_int(max_new_tokens, "max_new_tokens", 1)
-
-
-def check_seed(seed, field: str = "seed") -> int:
-    return check_int(seed, field, 0, 2**32 - 1, allowed="in [0, 2**32)")
-
-
-def seeds_for(seed, n: int) -> list[int]:
-    """An int applies to every prompt (each still gets its own stream), or one int per prompt."""
-    if isinstance(seed, Sequence) and not isinstance(seed, str):
-        if len(seed) != n:
-            raise InputError(f"seed has {len(seed)} entries for {n} prompts; give one int or one per prompt")
-        return [check_seed(s, f"seed[{i}]") for i, s in enumerate(seed)]
-    return [check_seed(seed)] * n
+def per_prompt(value, n: int, field: str) -> list:
+    """One value for every prompt, or a list of one per prompt (checked for length)."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != n:
+            raise InputError(f"{field} has {len(value)} entries for {n} prompts; give one or one per prompt")
+        return list(value)
+    return [value] * n
 
 
 def check_token_ids(

@@ -1,0 +1,140 @@
+"""`jaxspec.SamplingParams`: one request's sampling settings, with vLLM's field names, meanings and
+defaults (vllm/sampling_params.py), so code and files written for vLLM mean the same here.
+
+Each field declares, beside its default, everything the rest of the engine needs to carry it:
+its check, its command-line help, and the dtype of its per-row device array if the decode loop
+reads it (`row`). `generate`, batch records, the CLI and the device batch all read these
+declarations, so a new setting is a field here plus its use in the loop (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import numpy as np
+
+from jaxspec.checks import check_int, check_number
+from jaxspec.errors import InputError
+
+SEED_LIMIT = 2**32
+
+
+def _temperature(v, name):
+    return check_number(v, name, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
+
+
+def _top_p(v, name):
+    return check_number(v, name, "in (0, 1] (1 = off)", lambda p: 0 < p <= 1)
+
+
+def _top_k(v, name):
+    k = check_int(v, name, -1, note=" (0 or -1 = off)")
+    return 0 if k == -1 else k  # vLLM takes -1 for off too
+
+
+def _min_p(v, name):
+    return check_number(v, name, "in [0, 1] (0 = off)", lambda p: 0 <= p <= 1)
+
+
+def _seed(v, name):
+    return None if v is None else check_int(v, name, 0, SEED_LIMIT - 1, allowed="in [0, 2**32)")
+
+
+def _max_tokens(v, name):
+    return check_int(v, name, 1)
+
+
+def setting(default, check, help: str, row=None, cli_type=None):
+    """A SamplingParams field: `check(value, name)` -> the value to keep (or InputError naming
+    `name`); `row`: the numpy dtype of its per-row device array (jaxspec.decoding.sampling), None
+    when the loop does not read it; `cli_type`: argparse's type (None: no command-line flag)."""
+    return dataclasses.field(default=default, metadata=dict(check=check, help=help, row=row, cli_type=cli_type))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one request (vLLM's names and defaults: `SamplingParams()` samples at
+    temperature 1.0 and stops after 16 tokens; `generate`'s own keywords default to greedy and
+    128 tokens). Every value is checked on construction; InputError names the field."""
+
+    temperature: float = setting(1.0, _temperature, "0 = greedy; > 0 samples", np.float32, float)
+    top_p: float = setting(1.0, _top_p, "keep the smallest set of most likely tokens whose mass reaches "
+                           "top_p, in (0, 1] (1 = off)", np.float32, float)
+    top_k: int = setting(0, _top_k, "keep the k most likely tokens (0 or -1 = off)", np.int32, int)
+    min_p: float = setting(0.0, _min_p, "keep the tokens with probability >= min_p x the most likely "
+                           "token's, in [0, 1] (0 = off)", np.float32, float)
+    seed: int | None = setting(None, _seed, "random seed; each prompt gets its own stream (default: "
+                               "vLLM's none, a fresh random seed; generate and the CLI: 0)", cli_type=int)
+    max_tokens: int = setting(16, _max_tokens, "tokens to generate per prompt (>= 1)", cli_type=int)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_seed(self) -> "SamplingParams":
+        """A seed of None (vLLM's default) drawn now: the request is then reproducible from here on."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=int.from_bytes(os.urandom(4), "little"))
+
+    def updated(self, values: dict, where: str = "") -> "SamplingParams":
+        """These settings with `values` (field name -> value, or an alias such as max_new_tokens)
+        put over them; an unknown name is an InputError naming it, prefixed by `where`."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        given = {}
+        for key, value in values.items():
+            name = ALIASES.get(key, key)
+            if name not in fields:
+                known = ", ".join(sorted(fields.keys() | ALIASES.keys()))
+                raise InputError(f"{where}{key} is not a sampling setting; known: {known}")
+            given[name] = fields[name].metadata["check"](value, where + key)  # the error names it as given
+        return dataclasses.replace(self, **given)
+
+
+# Older jaxspec spellings accepted as inputs (generate's keyword, batch records, the CLI).
+ALIASES = {"max_new_tokens": "max_tokens"}
+
+# generate's, the CLI's and batch jobs' defaults: greedy, 128 tokens, seed 0 (reproducible).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=128, seed=0)
+
+# The fields the decode loop reads per row, and the value that leaves each one off (a padding row's).
+ROW_FIELDS = {f.name: f.metadata["row"] for f in dataclasses.fields(SamplingParams) if f.metadata["row"]}
+_NEUTRAL = SamplingParams(temperature=0.0)
+
+
+def row_values(params: Sequence[SamplingParams], rows: int) -> dict[str, np.ndarray]:
+    """Per-row device arrays [rows] of each loop-read field, for `params` in rows 0.. and neutral
+    values (greedy, filters off) in the padding rows past them."""
+    out = {}
+    for name, dtype in ROW_FIELDS.items():
+        a = np.full(rows, getattr(_NEUTRAL, name), dtype)
+        a[: len(params)] = [getattr(p, name) for p in params]
+        out[name] = a
+    return out
+
+
+def add_cli_args(parser) -> None:
+    """The command-line flags of every field (--temperature, --top-p, ..., --max-new-tokens, which
+    --max-tokens also names); their defaults are GREEDY's, read back by from_cli."""
+    for f in dataclasses.fields(SamplingParams):
+        if f.metadata["cli_type"] is None:
+            continue
+        flags = [f"--{f.name.replace('_', '-')}"]
+        if f.name == "max_tokens":
+            flags = ["--max-new-tokens", "--max-tokens"]
+        parser.add_argument(*flags, dest=f"sampling_{f.name}", type=f.metadata["cli_type"], default=None,
+                            metavar=f.name.upper(),
+                            help=f"{f.metadata['help']} (default {getattr(GREEDY, f.name)})")
+
+
+def from_cli(args, base: SamplingParams = GREEDY) -> SamplingParams:
+    """add_cli_args' flags over `base`; a bad value is an InputError naming the field."""
+    given = {f.name: getattr(args, f"sampling_{f.name}") for f in dataclasses.fields(SamplingParams)
+             if getattr(args, f"sampling_{f.name}", None) is not None}
+    return base.updated(given)

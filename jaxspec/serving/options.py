@@ -1,0 +1,69 @@
+"""How a call runs, as one value (beside what it decodes, DecodeMethod, and how each request
+samples, SamplingParams): the attention implementation, deterministic mode and the acceptance
+warning line. generate, batch jobs and the CLI carry it whole; it checks itself on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxspec.checks import check_number
+from jaxspec.errors import InputError
+from jaxspec.model.forward import ATTENTION_IMPLS
+from jaxspec.serving.warnings import DEFAULT_WARN_BELOW
+
+ATTENTION_CHOICES = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """attention: "auto" (the fused Pallas kernel on GPUs, XLA's attention on the CPU), "xla" or
+    "pallas" (on the CPU in interpret mode, for tests). deterministic: every row's result depends
+    on that row alone, bit for bit, in any dtype (docs/deterministic.md; chains only).
+    warn_below_acceptance: log a warning when a call's acceptance rate falls below it."""
+
+    attention: str = "auto"
+    deterministic: bool = False
+    warn_below_acceptance: float = DEFAULT_WARN_BELOW
+
+    def __post_init__(self):
+        if not isinstance(self.deterministic, bool):
+            raise InputError(f"deterministic must be True or False; got {self.deterministic!r}")
+        if self.deterministic and self.attention not in ("auto", "deterministic"):
+            raise InputError(f"deterministic mode runs its own attention kernel: leave attention 'auto'; "
+                             f"got {self.attention!r}")
+        if self.attention not in ("auto", *ATTENTION_IMPLS):
+            raise InputError(f"attention must be one of auto, {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}")
+        check_number(self.warn_below_acceptance, "warn_below_acceptance", "in [0, 1]", lambda x: 0 <= x <= 1)
+
+    @property
+    def attention_impl(self) -> str:
+        """What the loop runs: "deterministic" (its own kernels), else "auto" resolved for this backend."""
+        if self.deterministic or self.attention == "deterministic":
+            return "deterministic"
+        if self.attention == "auto":
+            return "xla" if jax.default_backend() == "cpu" else "pallas"
+        return self.attention
+
+    @staticmethod
+    def add_cli_args(parser, attention: bool = True) -> None:
+        if attention:
+            parser.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                                help="attention for decode/verify steps: the fused Pallas kernel on GPUs (auto), or XLA")
+        parser.add_argument("--deterministic", action="store_true",
+                            help="deterministic mode: every prompt's tokens depend on that prompt alone, bit for bit, "
+                                 "in any dtype (alone or in any batch, plain or speculative; chains only; "
+                                 "docs/deterministic.md)")
+        parser.add_argument("--warn-below-acceptance", type=float, default=DEFAULT_WARN_BELOW,
+                            help=f"warn when the acceptance rate falls below this (default {DEFAULT_WARN_BELOW})")
+
+    @classmethod
+    def from_cli(cls, args) -> "RunOptions":
+        return cls(getattr(args, "attention", "auto"), args.deterministic, args.warn_below_acceptance)
+
+    def updated(self, values: dict) -> "RunOptions":
+        return dataclasses.replace(self, **values) if values else self
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunOptions))
