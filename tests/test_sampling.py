@@ -7,12 +7,12 @@ import pytest
 import torch
 from scipy import stats as sps
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from jaxspec.sampling_params import SamplingParams
 from jaxspec.decoding.sampling import (
     SamplingArrays,
     filtered_logits,
@@ -20,6 +20,7 @@ from jaxspec.decoding.sampling import (
     sample_tokens,
     target_probs,
 )
+from jaxspec.sampling_params import SamplingParams
 
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, 0, 1.0),
@@ -124,3 +125,43 @@ def test_top_p_keeps_at_least_the_top_token(top_p):
     logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]])
     kept = np.isfinite(np.asarray(filtered_logits(logits, _params([(1.0, 0, top_p)]))))[0]
     assert kept[1] and kept.sum() == 1
+
+
+def _min_p_reference(logits: np.ndarray, temperature: float, min_p: float, top_k: int = 0) -> np.ndarray:
+    """vLLM's order in NumPy, float64: temperature, then min-p (p >= min_p * p_max), then top-k."""
+    x = logits.astype(np.float64) / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = p >= min_p * p.max()
+    if top_k:
+        keep &= x >= np.sort(np.where(keep, x, -np.inf))[-top_k]
+    return keep
+
+
+@pytest.mark.parametrize("temperature, min_p, top_k", [(1.0, 0.05, 0), (0.7, 0.2, 0), (1.3, 0.1, 3), (1.0, 1.0, 0)])
+def test_min_p_keeps_what_vllm_keeps(temperature, min_p, top_k):
+    logits = np.random.default_rng(4).normal(size=(1, 256)).astype(np.float32) * 3
+    params = SamplingArrays.of([SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k)])
+    ours = np.asarray(filtered_logits(jnp.asarray(logits), params))[0]
+    np.testing.assert_array_equal(np.isfinite(ours), _min_p_reference(logits[0], temperature, min_p, top_k))
+    if not top_k:  # alone, it is HF's MinPLogitsWarper too
+        ref = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temperature)(None, torch.from_numpy(logits)))
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref[0].numpy()))
+
+
+def test_every_token_sampled_with_min_p_is_at_least_min_p_of_the_top():
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(2, 12)).astype(np.float32) * 1.5)
+    settings = [SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=0.8, min_p=0.05)]
+    params = SamplingArrays.of(settings)
+    rows = len(settings)
+
+    def one(i):
+        keys = row_keys(jnp.full((rows,), i, jnp.uint32), jnp.zeros((rows,), jnp.int32))
+        return sample_tokens(logits, params, keys, greedy_only=False)
+
+    draws = np.asarray(jax.jit(jax.vmap(one))(jnp.arange(50_000, dtype=jnp.uint32)))
+    for row, s in enumerate(settings):
+        p = np.asarray(jax.nn.softmax(logits[row] / s.temperature), np.float64)
+        assert p[draws[:, row]].min() >= s.min_p * p.max()
+        probs = np.asarray(target_probs(logits, params), np.float64)[row]
+        assert _chi2_pvalue(draws[:, row], probs) > 1e-4

@@ -36,6 +36,7 @@ SETTINGS = [
     SamplingParams(temperature=0.8),
     SamplingParams(temperature=1.3, top_k=6),
     SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.2, min_p=0.15),  # min_p applies to p and q alike: exact too
 ]
 
 
@@ -93,7 +94,7 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return sps.chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}-minp{s.min_p}")
 def test_speculative_sampling_matches_target_distribution(pair, setting):
     target, draft = pair
     probs = exact_joint(target, setting)
