@@ -3,7 +3,6 @@ value named with what is allowed, before any model is loaded or any work done.""
 
 import pytest
 
-import jaxspec
 from jaxspec import cli
 from jaxspec.batch import JobSettings
 from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, DecodeMethod
