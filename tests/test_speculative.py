@@ -166,5 +166,5 @@ def test_low_acceptance_warns(pair, tmp_path, caplog):
     target, draft = pair
     with caplog.at_level("WARNING", logger="jaxspec"):
         jaxspec.generate(["def f(x):"], target, draft, max_new_tokens=16, num_draft_tokens=2,
-                         warn_below_acceptance=1.01)
+                         warn_below_acceptance=1.0)  # a random pair accepts far less
     assert "may cost more than it saves" in caplog.text

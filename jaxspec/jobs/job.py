@@ -2,7 +2,7 @@
 
 Input: one JSON object per line: "id" (a non-empty string or an integer), "prompt" (text, or a
 list of token ids) or "messages" (a chat rendered with the tokenizer's chat template), and
-optionally "max_new_tokens", "temperature", "top_k", "top_p", "seed" (overriding the job's
+optionally any jaxspec.SamplingParams field ("max_tokens" or "max_new_tokens", "temperature", ...: overriding the job's
 defaults) and "prompt_version" (a string, reported separately in the summary). Other fields are
 ignored. Blank lines are skipped.
 
@@ -48,7 +48,7 @@ from jaxspec.jobs.output import (
 from jaxspec.jobs.ray_workers import check_ray, run_on_ray
 from jaxspec.jobs.records import Record, check_unique, prepare, read_input
 from jaxspec.jobs.settings import JobSettings
-from jaxspec.model.loading import Model
+from jaxspec.model.loading import Model, check_target
 from jaxspec.serving.generate import check_pair
 from jaxspec.serving.warnings import low_acceptance_message
 
@@ -117,6 +117,7 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
     in_path, out_path = Path(in_path), Path(out_path)
     if not isinstance(settings, JobSettings):
         raise InputError(f"settings must be a jaxspec.batch.JobSettings; got {settings!r}")
+    check_target(target)
     if not in_path.is_file():
         raise InputError(f"input file {in_path} does not exist")
     if out_path.exists() and out_path.resolve() == in_path.resolve():
@@ -313,7 +314,7 @@ class _Job:
                 "auto_ks": list(s.auto_ks) if s.auto else None,
                 "auto_trees": list(s.auto_trees) if s.auto else None,
                 "auto_ngram_ks": list(s.auto_ngram_ks) if s.auto else None,
-                "warn_below_acceptance": s.warn_below_acceptance, "dtype": str(self.target.dtype),
+                "warn_below_acceptance": s.options.warn_below_acceptance, "deterministic": s.options.deterministic, "dtype": str(self.target.dtype),
                 "backend": jax.default_backend(), "jax": jax.__version__,
             },
             "canary": self.decision.as_dict() if self.decision is not None else None,

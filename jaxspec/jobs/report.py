@@ -76,7 +76,7 @@ def format_summary(s: dict) -> str:
         f"  records: {t['records']} ({t['ok']} ok, {t['failed']} failed); "
         f"{s['skipped_existing']} already in the output were skipped",
         f"  settings: {st['method']}, batch size {st['batch_size']}, target {st['target']}, "
-        f"draft {st['draft']}, max_new_tokens {st['max_new_tokens']}, temperature {st['temperature']}",
+        f"draft {st['draft']}, max_tokens {st['max_tokens']}, temperature {st['temperature']}",
         f"  this run: {run['records']} records, {run['new_tokens']} new tokens in {run['wall_s']:.1f} s: "
         f"{run['records_per_s']:.2f} records/s, {run['tokens_per_s']:.1f} tokens/s "
         f"({run['decode_tokens_per_s']:.1f} tokens/s decoding; compile {run['compile_s']:.1f} s, "

@@ -351,6 +351,17 @@ def stored_quantization(path: str | Path) -> tuple[str | None, tuple[str, ...]]:
     return scheme, fields
 
 
+def _check_out_dir(out_dir: Path) -> None:
+    """Refuses an output folder that is, or lies under, an existing file, before any weights are
+    read (mkdir and rmtree would fail there with a bare OSError after the whole read)."""
+    for p in (out_dir, *out_dir.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is" if p == out_dir else f"lies under {p}, which is"
+                raise CheckpointError(f"output folder {out_dir} {where} an existing file: name a folder to write")
+            return
+
+
 def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
                           quantize: str | None = None) -> Path:
     """HF folder -> converted checkpoint folder; dtype None keeps the source dtype; quantize
@@ -359,6 +370,7 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"HF checkpoint folder {hf_dir} does not exist")
+    _check_out_dir(Path(out_dir))
     if is_eagle3(hf_dir):
         if quantize:
             raise CheckpointError(f"{hf_dir} is an EAGLE-3 head: quantize applies to models; heads stay in "

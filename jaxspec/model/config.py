@@ -149,12 +149,20 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """A folder's config.json as a dict; ConfigError, naming the file, when it is missing or no
+    JSON object (every reader of it goes through here, so none raises a bare JSONDecodeError)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {model_dir}")
     try:
         cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    return config_from_hf(cfg)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object of config fields")
+    return cfg
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    return config_from_hf(read_config_json(model_dir))

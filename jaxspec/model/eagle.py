@@ -29,7 +29,7 @@ from flax import struct
 from jaxspec.errors import CheckpointError, ConfigError, InputError
 from jaxspec.model import layout
 from jaxspec.model.cache import KVCache
-from jaxspec.model.config import ModelConfig, config_from_hf
+from jaxspec.model.config import ModelConfig, config_from_hf, read_config_json
 from jaxspec.model.forward import attention_mask, gated_mlp, rms_norm, self_attention
 from jaxspec.model.rope import inverse_frequencies
 from jaxspec.model.weights import LayerWeights, fuse_layer
@@ -39,11 +39,10 @@ FEATURES = 3  # low, middle and high layers of the target
 
 
 def is_eagle3(folder: str | Path) -> bool:
-    """Whether a folder's config.json names an EAGLE-3 head."""
-    cfg = Path(folder) / "config.json"
-    if not cfg.is_file():
+    """Whether a folder's config.json names an EAGLE-3 head (ConfigError if it is corrupt)."""
+    if not (Path(folder) / "config.json").is_file():
         return False
-    return bool(set(json.loads(cfg.read_text()).get("architectures") or ()) & set(ARCHITECTURES))
+    return bool(set(read_config_json(folder).get("architectures") or ()) & set(ARCHITECTURES))
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -126,22 +125,24 @@ def eagle_config(cfg: dict) -> EagleConfig:
 
 
 def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+    # The target's readers: a damaged file is a CheckpointError naming it (imported here: checkpoint imports us)
+    from jaxspec.model.checkpoint import FP8_E4M3, _open_all, read_tensor
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors files (an EAGLE-3 head's weights)")
     out = {}
-    for f in files:
-        for name, a in load_file(f).items():
-            out[name.removeprefix("model.")] = a
+    for name, (path, handle) in _open_all(files, "numpy").items():
+        if handle.get_slice(name).get_dtype() == FP8_E4M3:  # read_tensor would give its bits, not values
+            raise CheckpointError(f"tensor {name} in {path} is fp8: an EAGLE-3 head's weights are floating point")
+        out[name.removeprefix("model.")] = read_tensor(name, path, handle)
     return out
 
 
 def load_eagle(folder: str | Path, dtype) -> EagleHead:
     """An EAGLE-3 head from a folder in the published layout (module docstring), in `dtype`."""
     folder = Path(folder)
-    config = eagle_config(json.loads((folder / "config.json").read_text()))
+    config = eagle_config(read_config_json(folder))
     c = config.layer
     d, nh, nkv, hd, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     t = _read_tensors(folder)
@@ -199,7 +200,7 @@ def convert_eagle(folder: str | Path, out: str | Path, dtype: str | None = None)
                for k, v in _read_tensors(folder).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config_json(folder)
     if dtype is not None:
         config["torch_dtype"] = str(jnp.dtype(dtype))
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -156,6 +156,17 @@ def replicated_on(model: Model | EagleHead, mesh) -> Model | EagleHead:
 _replicas: dict = {}
 
 
+def check_target(target) -> None:
+    """Refuses, before any work, a target that is no model from jaxspec.load: an EAGLE-3 head
+    (it only drafts, reading a target's hidden states) or a folder not loaded yet."""
+    if isinstance(target, EagleHead):
+        raise InputError(f"target must be a model from jaxspec.load (a model folder); got an EAGLE-3 head "
+                         f"({target.path}): pass it as the draft")
+    if not isinstance(target, Model):
+        got = f"the path {str(target)!r}: load it first" if isinstance(target, (str, Path)) else type(target).__name__
+        raise InputError(f"target must be a model from jaxspec.load; got {got}")
+
+
 def check_draft_model(target: Model, draft: Model) -> None:
     """A draft model must share the target's vocabulary (and tokenizer, where both have one)."""
     tv, dv = target.config.vocab_size, draft.config.vocab_size

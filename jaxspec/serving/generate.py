@@ -11,7 +11,7 @@ from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, DecodeMethod
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
-from jaxspec.model.loading import Model, check_draft_model, replicated_on
+from jaxspec.model.loading import Model, check_draft_model, check_target, replicated_on
 from jaxspec.sampling_params import ALIASES, GREEDY, SamplingParams
 from jaxspec.serving.options import RUN_FIELDS, RunOptions
 from jaxspec.serving.requests import Request, check_token_ids, encode_prompt, per_prompt
@@ -128,6 +128,7 @@ def generate(
     Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
     warning when the call's acceptance rate is below options.warn_below_acceptance.
     """
+    check_target(target)
     check_int(max_batch_size, "max_batch_size", 1)
     sampling_keys, method_keys, run_keys = split_shorthand(shorthand)
     if method is not None and method_keys:
