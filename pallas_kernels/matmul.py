@@ -76,7 +76,7 @@ def tiling(k: int, n: int, block_k: int | None = None, split_k: int | None = Non
     the largest power of two up to block_k (default 128) that divides k / split_k, and (default)
     the fewest k splits, up to MAX_SPLIT_K, that give MIN_PROGRAMS programs of DECODE_BLOCK_N
     columns. Both depend on the weight's shape only, never on the rows. The defaults were the best
-    at decode rows for the 8B and 1B shapes' projections in 8 bits (H200, scripts/matmul_sweep.py:
+    at decode rows for the 8B and 1B shapes' projections in 8 bits (H200, scripts/gpu_probes/matmul_sweep.py:
     within 3 % of each shape's best of 96 settings)."""
     if split_k is None:
         tiles = n // _largest_pow2_divisor(n, DECODE_BLOCK_N, "n")
@@ -165,7 +165,7 @@ def _matmul_kernel(x_ref, w_ref, *rest, m: int, block_k: int, fmt: str, scaled: 
 MAX_TILE_ROWS = 64
 # The most rows per dot that give a row the bits of a 16-row dot, per platform: on NVIDIA GPUs
 # 16-, 32- and 64-row dots (mma.sync, and Hopper's wgmma from 64) agreed bit for bit on the H200
-# at every 8B projection (scripts/matmul_bits.py; docs/deterministic.md). Elsewhere 16 only:
+# at every 8B projection (scripts/gpu_probes/matmul_bits.py; docs/deterministic.md). Elsewhere 16 only:
 # MI300's MFMA instruction shape follows the tile, and interpret mode runs the CPU's dot.
 DOT_ROWS = {"cuda": 64}
 # Where fp8 weights convert through Triton's own fp8 cast (CUDA, sm_89 and later): faster than the
@@ -206,7 +206,7 @@ def matmul(x, w, scale=None, residual=None, *, fmt: str = "float", out_dtype=Non
     w_nk: w is given as [n, k] (each output channel contiguous: faster for 8-bit weights).
     block_m (rows per dot), subs (row blocks per program): None picks them for m rows on the
     platform the call is lowered for (rows_per_dot with DOT_ROWS, row_blocks). block_m, subs,
-    block_n, num_warps and num_stages change no bit (measured: scripts/matmul_bits.py).
+    block_n, num_warps and num_stages change no bit (measured: scripts/gpu_probes/matmul_bits.py).
 
     Fusions (pallas_kernels/fused.py; w_nk only): gated (w [2n, k]: gate's channels, then up's;
     -> silu(gate) * up [m, n]; block_n counts each half's columns, half the unfused default);

@@ -142,7 +142,7 @@ def test_kernel_profile_names_group_numbered_copies_and_tabulate():
 
 
 def test_matmul_bits_script_finds_no_setting_that_changes_a_bit_in_interpret_mode(capsys):
-    path = Path(__file__).parents[1] / "scripts" / "matmul_bits.py"
+    path = Path(__file__).parents[1] / "scripts" / "gpu_probes" / "matmul_bits.py"
     spec = importlib.util.spec_from_file_location("matmul_bits", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -151,9 +151,10 @@ def test_matmul_bits_script_finds_no_setting_that_changes_a_bit_in_interpret_mod
     assert len(rows) == 2 * 11 and all("| 0 / " in line for line in rows)
 
 
-def _script(name: str, monkeypatch):
-    """scripts/<name>.py as a module, the scripts folder importable as when it runs."""
-    scripts = Path(__file__).parents[1] / "scripts"
+def _script(name: str, monkeypatch, folder: str = "gpu_probes"):
+    """scripts/<folder>/<name>.py as a module (folder "": scripts/<name>.py), its folder importable
+    as when it runs."""
+    scripts = Path(__file__).parents[1] / "scripts" / folder
     monkeypatch.syspath_prepend(str(scripts))
     spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -181,7 +182,7 @@ def test_the_mosaic_splitk_script_lowers_for_cuda_ahead_of_time(monkeypatch, cap
 
 
 def test_the_greedy_tokens_script_prints_plain_and_speculative_tokens(monkeypatch, capsys):
-    module = _script("greedy_tokens", monkeypatch)
+    module = _script("greedy_tokens", monkeypatch, folder="")
     assert module.main(["--shape", "tiny", "--draft-shape", "tiny", "--quantize", "none", "--new-tokens", "6"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)

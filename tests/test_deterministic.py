@@ -24,7 +24,7 @@ from jaxspec.cli import main as cli_main
 from jaxspec.errors import InputError
 from jaxspec.jobs.settings import JobSettings
 from jaxspec.model.cache import KVCache
-from jaxspec.model.forward import forward
+from jaxspec.model.forward import DeterministicParts, deterministic_parts, forward
 from pallas_kernels.causal_attention import causal_attention, causal_attention_reference
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 
@@ -220,11 +220,12 @@ def test_a_split_target_is_deterministic_too(tmp_path):
 
 
 def test_the_records_bench_counts_identical_records(tmp_path):
-    """scripts/bench_deterministic.py at toy size: random tiny target and draft, every run
-    identical to its reference (in float32, where the default mode is exact too: its XLA graphs
-    compile in a fraction of the interpret-mode kernels' time; deterministic mode's identities
-    are test_deterministic_output_is_the_same_alone_in_any_batch_...), and its rows written."""
-    path = Path(__file__).parents[1] / "scripts" / "bench_deterministic.py"
+    """scripts/gpu_probes/bench_deterministic.py at toy size: random tiny target and draft, every
+    run identical to its reference (in float32, where the default mode is exact too: its XLA
+    graphs compile in a fraction of the interpret-mode kernels' time; deterministic mode's
+    identities are test_deterministic_output_is_the_same_alone_in_any_batch_...), and its rows
+    written."""
+    path = Path(__file__).parents[1] / "scripts" / "gpu_probes" / "bench_deterministic.py"
     spec = importlib.util.spec_from_file_location("bench_deterministic", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -236,6 +237,22 @@ def test_the_records_bench_counts_identical_records(tmp_path):
                                         "plain, continuous refill 1", "plain, batch 1 (1 records)"]
     assert all(r["identical"] == r["records"] for r in rows)
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_the_cost_probe_runs_each_part_of_deterministic_mode_as_a_setting(capsys):
+    """scripts/gpu_probes/deterministic_cost.py at toy size: its variants are DeterministicParts
+    (forward's `attention`), not patches; "deterministic" is every part on. One step each."""
+    assert deterministic_parts("deterministic") == DeterministicParts() == deterministic_parts(True)
+    assert deterministic_parts("pallas") is None and deterministic_parts(False) is None
+    path = Path(__file__).parents[1] / "scripts" / "gpu_probes" / "deterministic_cost.py"
+    spec = importlib.util.spec_from_file_location("deterministic_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    parts = [name for name, mode in script.VARIANTS.items() if isinstance(mode, DeterministicParts)]
+    assert len(parts) == 4
+    assert script.main(["--shape", "tiny", "--prefix", "8", "--steps", "1", "--repeats", "1", "--variants", *parts]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny | B=1 |")]
+    assert [row.split(" | ")[2] for row in rows] == parts and all(row.endswith(" ms |") for row in rows)
 
 
 @pytest.mark.timing
@@ -254,7 +271,7 @@ def test_the_scale_bench_times_deterministic_mode_and_refuses_its_trees(tmp_path
 
 def test_the_command_line_passes_deterministic_to_generate_and_batch_jobs():
     parser = build_parser()
-    assert job_settings(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--deterministic"])).deterministic
-    assert not job_settings(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).deterministic
+    assert job_settings(parser.parse_args(["batch", "in.jsonl", "out.jsonl", "--deterministic"])).options.deterministic
+    assert not job_settings(parser.parse_args(["batch", "in.jsonl", "out.jsonl"])).options.deterministic
     assert parser.parse_args(["generate", "x", "--deterministic"]).deterministic
     assert parser.parse_args(["bench", "--deterministic"]).deterministic

@@ -2,8 +2,10 @@
 dequantized weights say, through XLA and through the kernel; speculation stays lossless with
 respect to the quantized target's own plain output; bad settings are refused by name."""
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -250,24 +252,30 @@ def test_unsupported_fp8_layouts_are_refused_by_name(tmp_path):
         jaxspec.load(folder, quantize="int8")
 
 
-def test_rows_rule_script_parses_rules_and_names_a_bad_one(monkeypatch, capsys):
-    """scripts/bench_rows_rule.py (end-to-end measures of another 8-bit rows rule): its rules, and
-    the engine's own, are read first match, ending with a kernel for the remaining rows."""
-    path = Path(__file__).parents[1] / "scripts" / "bench_rows_rule.py"
-    spec = importlib.util.spec_from_file_location("bench_rows_rule", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.parse_rule("fp8=1:matvec,16:matmul,xla") == ("fp8", ((1, "matvec"), (16, "matmul"), (None, "xla")))
-    for bad, named in (("fp9=xla", "--rule must start with one of int8, fp8"), ("int8=1:matmul", "must end with"),
+def test_rows_rules_parse_and_reach_the_engine_as_a_setting(monkeypatch):
+    """JAXSPEC_ROWS_RULE (what scripts/gpu_probes/bench_rows_rule.py sets, to measure another 8-bit
+    rows rule end to end): rules read first match, ending with a kernel for the remaining rows; a
+    bad one is named."""
+    assert forward_module.parse_rows_rule("fp8=1:matvec,16:matmul,xla") == (
+        "fp8", ((1, "matvec"), (16, "matmul"), (None, "xla")))
+    for bad, named in (("fp9=xla", "must start with one of int8, fp8"), ("int8=1:matmul", "must end with"),
                        ("int8=2:cublas,xla", "KERNEL in matvec, matmul, xla")):
-        with pytest.raises(ValueError, match=named):
-            script.parse_rule(bad)
-    for steps in forward_module.ROW_RULES.values():
+        with pytest.raises(jaxspec.InputError, match=named):
+            forward_module.parse_rows_rule(bad)
+    for steps in forward_module.DEFAULT_ROW_RULES.values():
         assert steps[-1][0] is None and all(kernel in forward_module.QUANTIZED_KERNELS for _, kernel in steps)
-    monkeypatch.setattr(forward_module, "ROW_RULES", dict(forward_module.ROW_RULES))
+    rules = forward_module.row_rules("int8=1:matvec,4:xla,matmul")
+    assert rules == {**forward_module.DEFAULT_ROW_RULES, "int8": ((1, "matvec"), (4, "xla"), (None, "matmul"))}
+    monkeypatch.setattr(forward_module, "ROW_RULES", rules)
     monkeypatch.setattr(forward_module.jax, "default_backend", lambda: "gpu")
-    with pytest.raises(SystemExit):  # the command's own --help, after the rule took effect
-        script.main(["--rule", "int8=1:matvec,4:xla,matmul", "--", "--help"])
-    assert "'int8': ((1, 'matvec'), (4, 'xla'), (None, 'matmul'))" in capsys.readouterr().out
     assert [forward_module._quantized_kernel(r, "int8", False) for r in (1, 4, 5)] == ["matvec", "xla", "matmul"]
     assert forward_module._quantized_kernel(1, "int8", True) == "matmul"  # deterministic: one summation order
+    # the variable, in a process of its own, through the script
+    script = Path(__file__).parents[1] / "scripts" / "gpu_probes" / "bench_rows_rule.py"
+    out = subprocess.run([sys.executable, str(script), "--rule", "fp8=2:matmul,xla", "--", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "'fp8': ((2, 'matmul'), (None, 'xla'))" in out and "convert,generate,batch,bench" in out
+    probe = "from jaxspec.model import forward; print(forward.ROW_RULES['fp8'])"
+    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**os.environ, forward_module.ROWS_RULE_ENV: "fp8=2:matmul,xla"}).stdout
+    assert got.strip() == "((2, 'matmul'), (None, 'xla'))"

@@ -1,9 +1,9 @@
 """Run from the repository root on a GPU: PYTHONPATH=. python3 docs/bench/h200-xla-layout-driver.py 32 16 4
 
 XLA's GEMM on 8-bit weights stored [n, k] (as the engine keeps them) vs [k, n], at verify and
-batch row counts, us per projection and per 8B layer (timed as scripts/matmul_sweep.py times)."""
+batch row counts, us per projection and per 8B layer (timed as scripts/gpu_probes/matmul_sweep.py times)."""
 import json, os, sys
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "scripts/gpu_probes")
 import jax, jax.numpy as jnp
 from jax import lax
 from matmul_sweep import timed, weights

@@ -1,7 +1,7 @@
 """Where a jitted step's device time goes: a JAX profiler trace of a few calls, its GPU kernels
 summed by name (numbered copies of one fusion or kernel counted together), per step.
 
-Used by scripts/deterministic_cost.py --kernels. Only accelerators' planes hold kernels: on the
+Used by scripts/gpu_probes/deterministic_cost.py --kernels. Only accelerators' planes hold kernels: on the
 CPU the table is empty.
 """
 

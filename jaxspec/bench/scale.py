@@ -22,6 +22,7 @@ on one day:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import subprocess
@@ -47,10 +48,12 @@ from jaxspec.decoding.trees import NAMED_TREES, ancestor_mask, chain
 from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_TARGET, embedded_model
 from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache
-from jaxspec.model.forward import forward
+from jaxspec.model.forward import DeterministicParts, deterministic_parts, forward
 from jaxspec.model.loading import load, replicated_on
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
-from jaxspec.serving.generate import build_requests, generate, resolve_attention
+from jaxspec.serving.generate import build_requests, generate
+from jaxspec.sampling_params import GREEDY
+from jaxspec.serving.options import RunOptions
 
 PARTS = ("hf", "plain", "forward", "spec", "prefill", "acceptance", "continuous", "eagle")
 
@@ -116,7 +119,7 @@ def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
 @functools.partial(jax.jit, static_argnames=("config", "steps", "attention"), donate_argnames=("cache",))
 def _forward_loop(weights, cache, tokens, positions, chunk_mask, *, config, steps, attention):
     """`steps` forward passes of the same shape; tokens change per pass so nothing is hoisted."""
-    causal = attention == "deterministic"  # its chunks are causal at the cache's lengths (forward_ms checks)
+    causal = deterministic_parts(attention) is not None  # chunks causal at the cache's lengths (forward_ms checks)
 
     def body(i, carry):
         cache, acc = carry
@@ -131,11 +134,13 @@ def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention
     return 1000 * best_seconds(forward_loop(model, batch, prefix, chunk_mask, attention, steps), repeats) / steps
 
 
-def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention: str, steps: int):
+def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention: str | DeterministicParts,
+                 steps: int):
     """A call that runs `steps` forward passes of t = len(chunk_mask) tokens per row over a
-    `prefix`-token cache in one jitted loop and waits for them."""
+    `prefix`-token cache in one jitted loop and waits for them. attention: forward's (a
+    DeterministicParts too)."""
     t = chunk_mask.shape[0]
-    if attention == "deterministic" and not np.array_equal(chunk_mask, np.tril(np.ones((t, t), bool))):
+    if deterministic_parts(attention) is not None and not np.array_equal(chunk_mask, np.tril(np.ones((t, t), bool))):
         raise InputError("deterministic mode verifies chains only: time trees without --deterministic")
     cap = cache_capacity(prefix, t, 0)
     tokens = jnp.ones((batch, t), jnp.int32)
@@ -171,7 +176,7 @@ def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int, attention
     """Seconds of the prefill that generate() runs for these prompts (same shapes; attention: the
     call's, since deterministic mode prefills with its own kernels): the best of at least
     PREFILL_REPEATS calls."""
-    reqs = build_requests(prompts, model, max_new, 0.0, 0, 1.0, 0)
+    reqs = build_requests(prompts, model, dataclasses.replace(GREEDY, max_tokens=max_new))
     prompt_len = bucket(max(len(p) for p in prompts))
     batch = make_batch(reqs, bucket(len(prompts), 1), prompt_len, model.config.pad_token_id)
     cap = cache_capacity(prompt_len, bucket(max_new), slack)
@@ -341,7 +346,7 @@ def run_scale_bench(args) -> int:
     if args.no_hf:
         parts.discard("hf")
     trees = [t for t in args.trees.split(",") if t]
-    attention = resolve_attention(args.attention)
+    attention = RunOptions(args.attention).attention_impl
     result = {"args": vars(args), "rows": []}
 
     def save():  # process 0 writes (every process measures the same graphs under jax.distributed)

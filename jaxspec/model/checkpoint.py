@@ -7,19 +7,18 @@ stacked). Only safetensors are ever read: never pickles.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
 
 from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.eagle import convert_eagle, is_eagle3
 from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, SCALE, STORED_DTYPES, check_scheme, quantize_checkpoint
+from jaxspec.model.safetensors_files import FP8_E4M3, open_all, read_tensor  # noqa: F401 (public here too)
 from jaxspec.model.weights import ParamSpec, param_specs
 
 FORMAT = "jaxspec-orbax-v1"
@@ -51,22 +50,6 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
         hint = f" (found {', '.join(pickles)}: pickle files are never loaded; convert them to safetensors)" if pickles else ""
         raise CheckpointError(f"no *.safetensors files in {hf_dir}{hint}")
     return files
-
-
-def _open_all(files: list[Path], framework: str) -> dict[str, tuple[Path, object]]:
-    """tensor name -> (file, open handle)."""
-    found: dict[str, tuple[Path, object]] = {}
-    for path in files:
-        try:
-            handle = safe_open(str(path), framework=framework)
-            names = list(handle.keys())
-        except Exception as e:  # safetensors raises several types for a damaged header
-            raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
-        for name in names:
-            if name in found:
-                raise CheckpointError(f"tensor {name} appears in both {found[name][0].name} and {path.name}")
-            found[name] = (path, handle)
-    return found
 
 
 def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
@@ -125,7 +108,7 @@ def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -
     data is read); the error names the offending tensor and file. An fp8 folder (hf_quantization)
     adds each fp8 projection's weight_scale (name ending WEIGHT_SCALE, its projection's spec)."""
     hf_dir = Path(hf_dir)
-    found = _open_all(_safetensors_files(hf_dir), framework)
+    found = open_all(_safetensors_files(hf_dir), framework)
     expected = _expected(config)
     scales = _fp8_scales(found, expected) if hf_quantization(hf_dir) else {}
     tied_head = config.tie_word_embeddings and "lm_head.weight" in found
@@ -176,34 +159,6 @@ def channel_scales(scale: np.ndarray, spec: ParamSpec) -> np.ndarray:
     out_shape = spec.shape[CHECKPOINT_CONTRACTED[spec.field]:]
     flat = np.asarray(scale, np.float32).reshape(-1)
     return np.broadcast_to(flat, (int(np.prod(out_shape)),)).reshape(out_shape)
-
-
-def read_tensor(name: str, path: Path, handle) -> np.ndarray:
-    """One tensor from an open safetensors file, as stored (HF layout and dtype); fp8 e4m3fn
-    tensors (which numpy cannot hold) as their uint8 bits, memory-mapped."""
-    try:
-        if handle.get_slice(name).get_dtype() == FP8_E4M3:
-            return _raw_bits(path, name)
-        return handle.get_tensor(name)
-    except Exception as e:
-        raise CheckpointError(f"cannot read tensor {name} from {path}: {e}") from None
-
-
-FP8_E4M3 = "F8_E4M3"  # safetensors' name for float8 e4m3fn
-
-
-@functools.lru_cache(maxsize=64)
-def _header(path: Path) -> tuple[int, dict]:
-    """(where the data starts, the header's tensor table) of a safetensors file."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return 8 + size, json.loads(f.read(size))
-
-
-def _raw_bits(path: Path, name: str) -> np.ndarray:
-    start, table = _header(Path(path))
-    begin, end = table[name]["data_offsets"]
-    return np.memmap(path, np.uint8, "r", offset=start + begin, shape=(end - begin,)).reshape(table[name]["shape"])
 
 
 def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:

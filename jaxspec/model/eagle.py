@@ -32,6 +32,7 @@ from jaxspec.model.cache import KVCache
 from jaxspec.model.config import ModelConfig, config_from_hf, read_config_json
 from jaxspec.model.forward import attention_mask, gated_mlp, rms_norm, self_attention
 from jaxspec.model.rope import inverse_frequencies
+from jaxspec.model.safetensors_files import FP8_E4M3, open_all, read_tensor
 from jaxspec.model.weights import LayerWeights, fuse_layer
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -125,14 +126,11 @@ def eagle_config(cfg: dict) -> EagleConfig:
 
 
 def _read_tensors(folder: Path) -> dict[str, np.ndarray]:
-    # The target's readers: a damaged file is a CheckpointError naming it (imported here: checkpoint imports us)
-    from jaxspec.model.checkpoint import FP8_E4M3, _open_all, read_tensor
-
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors files (an EAGLE-3 head's weights)")
     out = {}
-    for name, (path, handle) in _open_all(files, "numpy").items():
+    for name, (path, handle) in open_all(files, "numpy").items():
         if handle.get_slice(name).get_dtype() == FP8_E4M3:  # read_tensor would give its bits, not values
             raise CheckpointError(f"tensor {name} in {path} is fp8: an EAGLE-3 head's weights are floating point")
         out[name.removeprefix("model.")] = read_tensor(name, path, handle)

@@ -7,8 +7,10 @@ head, k head dim, f ffn, v vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -34,9 +36,36 @@ def _interpret() -> bool:
     return jax.default_backend() == "cpu"  # the CPU runs Pallas kernels only in interpret mode
 
 
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float, deterministic: bool = False) -> jnp.ndarray:
+@dataclasses.dataclass(frozen=True)
+class DeterministicParts:
+    """Deterministic mode with some of its parts run as the default mode runs them, to measure what
+    each part costs (scripts/gpu_probes/deterministic_cost.py). Pass it as forward's `attention`:
+    "deterministic" is DeterministicParts(), every part on. A part turned off is no longer
+    deterministic, except split_k (tiles without k splits are fixed by (k, n) too)."""
+    norms: bool = True  # RMS norms through the norm kernel (off: XLA)
+    projections: bool = True  # the layers' projections through the matmul kernel (off: XLA)
+    head: bool = True  # the LM head through the matmul kernel (off: XLA)
+    split_k: bool = True  # the matmul kernel splits k as pallas_kernels.matmul.tiling picks (off: no k splits)
+
+
+DETERMINISTIC = DeterministicParts()
+
+
+def deterministic_parts(mode) -> DeterministicParts | None:
+    """The deterministic parts of forward's `attention` or of a `deterministic` flag (True, or a
+    DeterministicParts); None in the default mode."""
+    if isinstance(mode, DeterministicParts):
+        return mode
+    if isinstance(mode, str):
+        return DETERMINISTIC if mode == "deterministic" else None
+    return DETERMINISTIC if mode else None
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float,
+             deterministic: bool | DeterministicParts | None = False) -> jnp.ndarray:
     # As HF: normalise in float32, cast back to the activation dtype, then scale.
-    if deterministic:  # the kernel's sum of squares has one order for any number of rows
+    parts = deterministic_parts(deterministic)
+    if parts and parts.norms:  # the kernel's sum of squares has one order for any number of rows
         return rms_norm_kernel.rms_norm(x, weight.astype(x.dtype), eps, interpret=_interpret())
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -72,7 +101,7 @@ def attention_mask(
 # "deterministic": every row's result depends on that row alone (issue 25; docs/deterministic.md):
 # projections, norms and attention run kernels whose sums have one order for any number of rows,
 # any batch neighbours and any chunk a token comes in. Chains only (a tree's nodes are not at
-# their final positions).
+# their final positions). forward also takes a DeterministicParts there.
 ATTENTION_IMPLS = ("xla", "pallas", "deterministic")
 PALLAS_MAX_CHUNK = 64  # the fused kernel serves decode/verify chunks; prefill stays on XLA
 
@@ -93,10 +122,39 @@ def _einsum(spec: str, a, b, **kwargs):
 # against 2.96 on the matmul kernel: the same projection times, plus matvec's fused norms);
 # prefills XLA. Deterministic mode runs the matmul kernel at every row count.
 QUANTIZED_KERNELS = ("matvec", "matmul", "xla")
-ROW_RULES = {
+DEFAULT_ROW_RULES = {
     "int8": ((1, "matvec"), (8, "xla"), (64, "matmul"), (None, "xla")),
     "fp8": ((1, "matvec"), (None, "xla")),
 }
+# Another rule, to measure it end to end (scripts/gpu_probes/bench_rows_rule.py): rules separated
+# by ";" in this variable, read when jaxspec is imported.
+ROWS_RULE_ENV = "JAXSPEC_ROWS_RULE"
+
+
+def parse_rows_rule(text: str) -> tuple[str, tuple]:
+    """"fp8=1:matvec,16:matmul,xla" -> ("fp8", ((1, "matvec"), (16, "matmul"), (None, "xla"))): up
+    to MOST rows that KERNEL, the first step that holds; the last, without MOST, takes the rest."""
+    fmt, sep, body = text.partition("=")
+    if not sep or fmt not in DEFAULT_ROW_RULES:
+        raise InputError(f"a rows rule must start with one of {', '.join(DEFAULT_ROW_RULES)} and '='; got {text!r}")
+    steps = []
+    for item in body.split(","):
+        most, _, kernel = item.rpartition(":")
+        if kernel not in QUANTIZED_KERNELS or (most and not most.isdigit()):
+            raise InputError(f"a rows rule step must be MOST:KERNEL or KERNEL with KERNEL in "
+                             f"{', '.join(QUANTIZED_KERNELS)}; got {item!r}")
+        steps.append((int(most) if most else None, kernel))
+    if steps[-1][0] is not None:
+        raise InputError(f"a rows rule must end with a kernel for the remaining rows (no MOST); got {text!r}")
+    return fmt, tuple(steps)
+
+
+def row_rules(env: str) -> dict:
+    """The engine's rules with those in `env` (ROWS_RULE_ENV's value) over them."""
+    return {**DEFAULT_ROW_RULES, **dict(parse_rows_rule(t) for t in env.split(";") if t.strip())}
+
+
+ROW_RULES = row_rules(os.environ.get(ROWS_RULE_ENV, ""))
 # The 8-bit kernels that take the gated MLP's product and the residual adds into their epilogue,
 # and those that take the RMS norm before a projection into their loop (pallas_kernels/fused.py):
 # XLA fuses them into its own GEMMs, a Pallas call takes none. Never in deterministic mode.
@@ -113,17 +171,18 @@ class Norm(NamedTuple):
     eps: float
 
 
-def _quantized_kernel(rows: int, fmt: str, deterministic: bool) -> str:
+def _quantized_kernel(rows: int, fmt: str, deterministic: bool | DeterministicParts | None) -> str:
     """Which of QUANTIZED_KERNELS computes `rows` rows of 8-bit weights (ROW_RULES)."""
-    if deterministic:
-        return "matmul"
+    parts = deterministic_parts(deterministic)
+    if parts:
+        return "matmul" if parts.projections else "xla"
     if jax.default_backend() == "cpu":
         return "xla"
     return next(kernel for most, kernel in ROW_RULES[fmt] if most is None or rows <= most)
 
 
-def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False, norm: Norm | None = None,
-               gated: bool = False, residual=None):
+def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool | DeterministicParts | None = False,
+               norm: Norm | None = None, gated: bool = False, residual=None):
     """x [..., q's contracted axes] @ q -> [..., q's output axes] in out_dtype (default x's): float32
     sums of x times the 8-bit values (exact in x's dtype), then the scales. On accelerators the
     8-bit kernels or XLA on the converted values by rows (ROW_RULES; prefills are compute-bound:
@@ -146,6 +205,9 @@ def _quantized(x, q: Quantized, out_dtype=None, deterministic: bool = False, nor
     x2 = x.reshape(-1, k)
     w = q.values.reshape(n, k)  # channels first (Quantized)
     kw = dict(fmt=q.fmt, out_dtype=out_dtype, interpret=_interpret())
+    parts = deterministic_parts(deterministic)
+    if parts and not parts.split_k:
+        kw |= dict(split_k=1)
     if fused:
         kw |= dict(residual=None if residual is None else residual.reshape(x2.shape[0], -1), gated=gated)
         kw |= {} if norm is None else dict(norm=norm.weight.astype(x.dtype), eps=norm.eps)
@@ -168,10 +230,10 @@ def _epilogue(out, gated: bool, residual):
     return out if residual is None else residual + out
 
 
-def _kernel_project(spec: str, x, w, out_dtype=None):
+def _kernel_project(spec: str, x, w, out_dtype=None, split_k: bool = True):
     """The einsum `spec` of a projection ("bt<contracted>,<w's axes>-><out>") through the matmul
     kernel, whose sums have one order for any number of rows: w's contracted axes lead it
-    ([k, n]) or trail it ([n, k]: a tied embedding)."""
+    ([k, n]) or trail it ([n, k]: a tied embedding). split_k False: one program sums all of k."""
     xs, ws = spec.split("->")[0].split(",")
     contracted = xs[2:]
     nc = len(contracted)
@@ -179,25 +241,27 @@ def _kernel_project(spec: str, x, w, out_dtype=None):
     k = math.prod(x.shape[2:])
     out_axes = w.shape[: w.ndim - nc] if w_nk else w.shape[nc:]
     out = matmul(x.reshape(-1, k), w.reshape(-1, k) if w_nk else w.reshape(k, -1), out_dtype=out_dtype, w_nk=w_nk,
-                 interpret=_interpret())
+                 interpret=_interpret(), **({} if split_k else dict(split_k=1)))
     return out.reshape(*x.shape[:2], *out_axes)
 
 
-def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool = False, norm: Norm | None = None,
-             gated: bool = False, residual=None, **kwargs):
+def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool | DeterministicParts | None = False,
+             norm: Norm | None = None, gated: bool = False, residual=None, **kwargs):
     """A weight matmul of activations x [b, t, ...] (8-bit weights: _quantized, whose contracted
     axes lead w's as in every projection's spec), with _quantized's norm, gated and residual
     (fused only there). pad_one_row (the accelerators' layout): XLA's GPU simplifier rewrites a
     vector-matrix product with a matrix under 10M elements into multiply + reduce kernels, which
     ran the 1B draft's q/k/v and o projections far below the memory bandwidth (a one-token pass
     took 1.24 ms against 1.01 ms for two, H200). A zero row keeps a one-row product on the GEMM
-    path; the barrier stops the simplifier from seeing through it."""
+    path; the barrier stops the simplifier from seeing through it. deterministic: True or a
+    DeterministicParts (its projections off: the default mode's XLA path)."""
     if isinstance(w, Quantized):
         return _quantized(x, w, kwargs.get("preferred_element_type"), deterministic, norm, gated, residual)
     if norm is not None:
         x = rms_norm(x, norm.weight, norm.eps, deterministic)
-    if deterministic:
-        out = _kernel_project(spec, x, w, kwargs.get("preferred_element_type"))
+    parts = deterministic_parts(deterministic)
+    if parts and parts.projections:
+        out = _kernel_project(spec, x, w, kwargs.get("preferred_element_type"), parts.split_k)
     elif not (pad_one_row and x.shape[0] * x.shape[1] == 1):
         out = _einsum(spec, x, w, **kwargs)
     else:
@@ -224,7 +288,7 @@ def _xla_attention(c: ModelConfig, q, keys, values, mask):
     return _einsum("bngts,bsnk->btngk", probs, values).reshape(b, t, c.num_heads, c.head_dim)
 
 
-def _gate_up(h, w, bias, pad_one_row: bool, deterministic: bool):
+def _gate_up(h, w, bias, pad_one_row: bool, deterministic: bool | DeterministicParts | None):
     """(gate, up) [b, t, f] from fused or separate weights (see fuse_mlp)."""
     if isinstance(w, tuple):
         return tuple(_add(_project("btd,df->btf", h, wi, pad_one_row, deterministic), bi)
@@ -253,7 +317,7 @@ def _write(cache, layer, rows, slots, new):
     return cache, cache[layer]
 
 
-def _total(axis, deterministic: bool):
+def _total(axis, deterministic: bool | DeterministicParts | None):
     """The sum of a split product over the mesh axis (identity without one). Deterministic: the
     shards' parts gathered and added in shard order, whatever algorithm the all-reduce picks
     for this size."""
@@ -275,9 +339,9 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
                lengths, w: LayerWeights, h, cache_k, cache_v, layer=None, norm: Norm | None = None, residual=None):
     """Self-attention of normed inputs h [b, t, d_in] -> (its output projection [b, t, d], the
     caches with the new keys and values written). impl: "xla", "pallas" (the tree-attention
-    kernel) or "deterministic" (ATTENTION_IMPLS). norm: h is not normed yet (the projection
-    norms it); residual: added to the output. See _layer for the other arguments."""
-    det = impl == "deterministic"
+    kernel), "deterministic" (ATTENTION_IMPLS) or a DeterministicParts. norm: h is not normed yet
+    (the projection norms it); residual: added to the output. See _layer for the other arguments."""
+    det = deterministic_parts(impl)
     b, t, _ = h.shape
     g = c.queries_per_kv
     qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row, det, norm), w.bqkv)  # j: g queries, key, value
@@ -322,8 +386,8 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
     return _summed_projection("bthk,hkd->btd", attn, w.wo, w.bo, pad_one_row, axis, det, residual), cache_k, cache_v
 
 
-def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool = False, norm: Norm | None = None,
-              residual=None):
+def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool | DeterministicParts | None = False,
+              norm: Norm | None = None, residual=None):
     """The gated MLP of normed inputs h [b, t, d] -> [b, t, d] (summed over axis). norm: h is not
     normed yet (the projection norms it); residual: added to the output."""
     if isinstance(w.w_gate_up, tuple) or w.b_gate_up is not None:  # separate (the CPU's) or biased: unfused
@@ -336,7 +400,8 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool =
     return _summed_projection("btf,fd->btd", act, w.w_down, w.b_down, pad_one_row, axis, deterministic, residual)
 
 
-def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, deterministic: bool, residual):
+def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, deterministic: bool | DeterministicParts | None,
+                       residual):
     """A layer's output projection: summed over the mesh axis, plus bias, plus residual (None:
     none), which joins the projection itself where nothing comes between (no axis, no bias)."""
     fuse = axis is None and bias is None
@@ -353,7 +418,7 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad
     ffn columns (c is then the shard's config): the o and down products are summed over it.
     Each norm goes to the projection it feeds, each residual add to the one before it: the
     8-bit kernels fuse them (_quantized)."""
-    det = impl == "deterministic"
+    det = deterministic_parts(impl)
     x, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, impl, pad_one_row, axis, lengths,
                                          w, x, cache_k, cache_v, layer, norm=Norm(w.attn_norm, c.rms_norm_eps),
                                          residual=x)
@@ -368,8 +433,9 @@ def forward(
     cache: KVCache,
     positions: jnp.ndarray | None = None,  # [b, t]; default lengths + arange(t)
     chunk_mask: jnp.ndarray | None = None,  # [t, t] bool; default causal
-    attention: str = "xla",  # "xla", "pallas" (the fused kernel for chunks of <= 64 tokens) or
-    # "deterministic" (ATTENTION_IMPLS; causal chunks only)
+    attention: str | DeterministicParts = "xla",  # "xla", "pallas" (the fused kernel for chunks of
+    # <= 64 tokens) or "deterministic" (ATTENTION_IMPLS; causal chunks only), or a DeterministicParts
+    # (deterministic mode with some parts as the default mode runs them: measurements only)
     logits_at: jnp.ndarray | None = None,  # [b] or [b, m] int32: the positions whose logits are wanted
     features_at: tuple[int, ...] = (),  # layers whose input (the residual stream) is also returned;
     # num_layers: the last layer's output (before the final norm)
@@ -384,7 +450,7 @@ def forward(
     over a mesh (weights.mesh) run per shard under shard_map; the cache is split by kv heads.
     """
     b, t = tokens.shape
-    if attention == "deterministic" and (positions is not None or chunk_mask is not None):
+    if deterministic_parts(attention) and (positions is not None or chunk_mask is not None):
         raise InputError("deterministic mode verifies chains only: a tree's nodes are not at their final positions "
                          "(pass no positions or chunk_mask)")
     if positions is None:
@@ -425,8 +491,8 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
         if not 0 <= i <= config.num_layers:
             raise InputError(f"feature layers must be in [0, {config.num_layers}]; got {features_at}")
     t = tokens.shape[1]
-    det = attention == "deterministic"
-    impl = attention if det else "pallas" if use_pallas(attention, config, t, cache.capacity) else "xla"
+    det = deterministic_parts(attention)
+    impl = det if det else "pallas" if use_pallas(attention, config, t, cache.capacity) else "xla"
     mask = None if impl != "xla" else attention_mask(
         cache.lengths, positions, cache.capacity, chunk_mask, config.sliding_window
     )
@@ -467,11 +533,12 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
         at = logits_at[:, None] if logits_at.ndim == 1 else logits_at
         x = jnp.take_along_axis(x, at[:, :, None], axis=1)
     final_norm = Norm(weights.final_norm, config.rms_norm_eps)
+    head = det and dataclasses.replace(det, projections=det.head)  # the LM head is a part of its own
     if weights.lm_head is None:
-        logits = _project("btd,vd->btv", x, weights.embed, unrolled, det, final_norm,
+        logits = _project("btd,vd->btv", x, weights.embed, unrolled, head, final_norm,
                           preferred_element_type=jnp.float32)
     else:
-        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, det, final_norm,
+        logits = _project("btd,dv->btv", x, weights.lm_head, unrolled, head, final_norm,
                           preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
         logits = lax.all_gather(logits, axis, axis=2, tiled=True)

@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxspec.model import layout
-from jaxspec.model.checkpoint import WEIGHT_SCALE, channel_scales, open_hf, read_tensor
+from jaxspec.model.checkpoint import WEIGHT_SCALE, channel_scales, open_hf
+from jaxspec.model.safetensors_files import read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
 from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, as_quantized

@@ -41,7 +41,7 @@ class Quantized:
     values hold its transpose, [output axes..., contracted axes...], int8 or fp8 e4m3fn bits
     (uint8): each output channel's weights are contiguous, as in Hugging Face's files, which the
     matmul kernel reads a quarter faster at decode rows than the weight's own layout (H200,
-    scripts/matmul_sweep.py). scale: [output axes...] float32. Stacked layers lead both."""
+    scripts/gpu_probes/matmul_sweep.py). scale: [output axes...] float32. Stacked layers lead both."""
 
     values: jnp.ndarray
     scale: jnp.ndarray

@@ -4,7 +4,7 @@
 // kernels are Pallas with Triton lowering, so they run on ROCm too); a yardstick for them.
 // fp8 e4m3 [n, k] (k contiguous) times a bf16 row, float32 sums; each warp owns 1-4 rows and
 // issues `unroll` 16-byte loads a lane before using them. Modes: fp8 GEMV, read only, int8 GEMV.
-//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o gemv scripts/gemv_ceiling.cu && ./gemv
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o gemv scripts/gpu_probes/gemv_ceiling.cu && ./gemv
 // (`./gemv one`: one launch of each projection, for a profiler.)
 #include <cuda_runtime.h>
 #include <cuda_fp8.h>

@@ -7,8 +7,8 @@ mix (jaxspec.bench.workloads). The reference is plain decoding under the static 
 --batch; against it, in each mode: the draft model's chain (K=--k), n-gram lookup (K=--ngram-k),
 the continuous scheduler refilled as each row ends, and batch 1 on the first --alone records.
 
-    python scripts/bench_deterministic.py [--dtype bfloat16] [--records 164] [--batch 16]
-    python scripts/bench_deterministic.py --shape llama3-8b --draft-shape llama3.2-1b --records 64
+    python scripts/gpu_probes/bench_deterministic.py [--dtype bfloat16] [--records 164] [--batch 16]
+    python scripts/gpu_probes/bench_deterministic.py --shape llama3-8b --draft-shape llama3.2-1b --records 64
 
 --shape: random weights of a named shape (jaxspec.bench.shapes) for the target and draft, the
 prompts tokenized by the embedded target's tokenizer (ids modulo the shape's vocabulary). Everything printed is measured in this run.
@@ -28,7 +28,7 @@ from jaxspec.bench.shapes import random_model
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
 from jaxspec.model.loading import load
-from jaxspec.serving.generate import resolve_attention
+from jaxspec.serving.options import RunOptions
 from jaxspec.serving.runner import run
 
 
@@ -73,7 +73,7 @@ def main(argv=None) -> list[dict]:
     print(f"target {target.name}, draft {draft.name if draft else None}, {args.dtype}, {len(requests)} records, "
           f"batch {args.batch}, budgets {min(budgets)}-{max(budgets)} (total {sum(budgets)})", flush=True)
     for mode in args.modes.split(","):
-        attention = resolve_attention("auto", mode == "deterministic")
+        attention = RunOptions(deterministic=mode == "deterministic").attention_impl
         reference = None
         for label, method, kw, subset in runs:
             idx = subset if subset is not None else list(range(len(requests)))

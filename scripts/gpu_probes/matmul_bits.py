@@ -8,7 +8,7 @@ whether a row alone equals the same row among the others under the defaults. Onl
 never change a bit may vary with the number of rows in deterministic mode (issue 25): block_k and
 split_k are fixed by (k, n) and are not varied here.
 
-    python3 scripts/matmul_bits.py [--shape llama3-8b] [--rows 1 16 64 256]
+    python3 scripts/gpu_probes/matmul_bits.py [--shape llama3-8b] [--rows 1 16 64 256]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """On a GPU: each 8B projection at verify and batch row counts through XLA on converted 8-bit
 weights, written several ways, beside the matmul kernel: us per projection, timed as
-scripts/matmul_sweep.py times (copies of the weights in one jitted loop, best of 3).
+scripts/gpu_probes/matmul_sweep.py times (copies of the weights in one jitted loop, best of 3).
 
-    python3 scripts/xla_8bit_conversions.py [--rows 4 32]
+    python3 scripts/gpu_probes/xla_8bit_conversions.py [--rows 4 32]
 
 s8: int8 astype; s8-f32 / s8-f16: through float32 / float16; s8-magic: (v xor 0x80) | 0x6400 as
 float16, minus 1152; fp8: bitcast to float8_e4m3fn then astype; fp8-f16: the rows and the

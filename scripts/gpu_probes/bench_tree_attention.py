@@ -12,7 +12,7 @@ sit in L2), each call fed by the loop carry so nothing is hoisted; the same loop
 replaced by a read of q is subtracted. Median of several runs. Needs a GPU (--interpret runs
 the script's logic on a CPU, with meaningless times).
 
-    python scripts/bench_tree_attention.py [--quick | --shapes 1x8192x16,...] [--no-sweep]
+    python scripts/gpu_probes/bench_tree_attention.py [--quick | --shapes 1x8192x16,...] [--no-sweep]
         [--compare OLD/tree_attention.py] [--json OUT]
 """
 

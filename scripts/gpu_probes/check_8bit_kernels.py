@@ -6,7 +6,7 @@ each projection's fusions (pallas_kernels/fused.py: the norm before q/k/v, gate/
 head (matvec only), the gated product, the residual after o and down) against fused_reference. Prints
 the relative error (max abs error / max abs value) of each; exits 1 if any is over its bound.
 
-    python3 scripts/check_8bit_kernels.py
+    python3 scripts/gpu_probes/check_8bit_kernels.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 shapes, over its tile settings, beside XLA's bf16 matmul and XLA's convert-then-matmul of 8-bit
 weights; prints the fraction of the copy bandwidth each reaches (weights read / time).
 
-  python3 scripts/matmul_sweep.py --shape llama3-8b --rows 1 32 --formats int8 fp8 float
+  python3 scripts/gpu_probes/matmul_sweep.py --shape llama3-8b --rows 1 32 --formats int8 fp8 float
 
 Each timing runs `copies` different weight matrices of one shape in one jitted graph (together
 several times the L2), best of --repeats calls; the time per matrix includes its launch. Stops

@@ -2,11 +2,11 @@
 pipeline, wgmma; jax/experimental/pallas/ops/gpu/hopper_mixed_type_matmul_mgpu.py) with the k range
 split over its work items, at a model's projection shapes and a few rows, beside XLA's own GEMM on
 the converted weights (and the matmul kernel for int8): us per projection, timed as
-scripts/matmul_sweep.py times. A measurement of a route not taken (docs/quantization.md, "B=32:
+scripts/gpu_probes/matmul_sweep.py times. A measurement of a route not taken (docs/quantization.md, "B=32:
 what the 8-bit GEMMs lose at 32 rows"), kept for whoever takes a TMA kernel up.
 
-    python3 scripts/mosaic_splitk_sweep.py [--rows 32] [--out FILE] [--budget-s 330]
-    python3 scripts/mosaic_splitk_sweep.py --lower   # lowers for CUDA ahead of time (any machine)
+    python3 scripts/gpu_probes/mosaic_splitk_sweep.py [--rows 32] [--out FILE] [--budget-s 330]
+    python3 scripts/gpu_probes/mosaic_splitk_sweep.py --lower   # lowers for CUDA ahead of time (any machine)
 
 The weights [n, k] are the kernel's 8-bit operand and the rows, transposed, its other (bf16 for
 int8; float16 for fp8, which this kernel cannot convert to bf16); each work item sums one k range
