@@ -85,7 +85,8 @@ def _print_completions(prompts, outs, as_json: bool) -> None:
     for prompt, out in zip(prompts, outs):
         if as_json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "stats": out.stats.as_dict()}))
+                              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                              "stats": out.stats.as_dict()}))
             continue
         s = out.stats
         acc = "" if s.acceptance_rate is None else (

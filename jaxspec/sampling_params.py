@@ -9,6 +9,7 @@ declarations, so a new setting is a field here plus its use in the loop (docs/AR
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from typing import Sequence
@@ -46,11 +47,29 @@ def _max_tokens(v, name):
     return check_int(v, name, 1)
 
 
-def setting(default, check, help: str, row=None, cli_type=None):
+def _stop_token_ids(v, name):
+    """None or a list of token ids (>= 0; the vocabulary is checked with the prompt) -> a tuple."""
+    if v is None:
+        return ()
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise InputError(f"{name} must be a list of token ids; got {v!r}")
+    return tuple(check_int(t, f"{name} entry", 0) for t in v)
+
+
+def _id_list(text: str) -> list[int]:
+    """--stop-token-ids 2,7 (argparse type; checked with the other values)."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def setting(default, check, help: str, row=None, cli=None):
     """A SamplingParams field: `check(value, name)` -> the value to keep (or InputError naming
     `name`); `row`: the numpy dtype of its per-row device array (jaxspec.decoding.sampling), None
-    when the loop does not read it; `cli_type`: argparse's type (None: no command-line flag)."""
-    return dataclasses.field(default=default, metadata=dict(check=check, help=help, row=row, cli_type=cli_type))
+    when the loop does not read it as one; `cli`: its command-line flag's argparse keywords
+    (a type: {"type": float}; None: no flag)."""
+    return dataclasses.field(default=default, metadata=dict(check=check, help=help, row=row, cli=cli))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +78,18 @@ class SamplingParams:
     temperature 1.0 and stops after 16 tokens; `generate`'s own keywords default to greedy and
     128 tokens). Every value is checked on construction; InputError names the field."""
 
-    temperature: float = setting(1.0, _temperature, "0 = greedy; > 0 samples", np.float32, float)
+    temperature: float = setting(1.0, _temperature, "0 = greedy; > 0 samples", np.float32, {"type": float})
     top_p: float = setting(1.0, _top_p, "keep the smallest set of most likely tokens whose mass reaches "
-                           "top_p, in (0, 1] (1 = off)", np.float32, float)
-    top_k: int = setting(0, _top_k, "keep the k most likely tokens (0 or -1 = off)", np.int32, int)
+                           "top_p, in (0, 1] (1 = off)", np.float32, {"type": float})
+    top_k: int = setting(0, _top_k, "keep the k most likely tokens (0 or -1 = off)", np.int32, {"type": int})
     min_p: float = setting(0.0, _min_p, "keep the tokens with probability >= min_p x the most likely "
-                           "token's, in [0, 1] (0 = off)", np.float32, float)
+                           "token's, in [0, 1] (0 = off)", np.float32, {"type": float})
     seed: int | None = setting(None, _seed, "random seed; each prompt gets its own stream (default: "
-                               "vLLM's none, a fresh random seed; generate and the CLI: 0)", cli_type=int)
-    max_tokens: int = setting(16, _max_tokens, "tokens to generate per prompt (>= 1)", cli_type=int)
+                               "vLLM's none, a fresh random seed; generate and the CLI: 0)", cli={"type": int})
+    max_tokens: int = setting(16, _max_tokens, "tokens to generate per prompt (>= 1)", cli={"type": int})
+    stop_token_ids: tuple[int, ...] = setting(
+        (), _stop_token_ids, "token ids that end a request when generated (besides the model's EOS ids), "
+        "comma-separated; finish_reason 'stop', stop_reason the id", cli={"type": _id_list})
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -123,14 +145,15 @@ def add_cli_args(parser) -> None:
     """The command-line flags of every field (--temperature, --top-p, ..., --max-new-tokens, which
     --max-tokens also names); their defaults are GREEDY's, read back by from_cli."""
     for f in dataclasses.fields(SamplingParams):
-        if f.metadata["cli_type"] is None:
+        if f.metadata["cli"] is None:
             continue
         flags = [f"--{f.name.replace('_', '-')}"]
         if f.name == "max_tokens":
             flags = ["--max-new-tokens", "--max-tokens"]
-        parser.add_argument(*flags, dest=f"sampling_{f.name}", type=f.metadata["cli_type"], default=None,
-                            metavar=f.name.upper(),
-                            help=f"{f.metadata['help']} (default {getattr(GREEDY, f.name)})")
+        default = getattr(GREEDY, f.name)
+        parser.add_argument(*flags, dest=f"sampling_{f.name}", default=None, metavar=f.name.upper(),
+                            help=f"{f.metadata['help']}" + (f" (default {default})" if default not in ((), None) else ""),
+                            **f.metadata["cli"])
 
 
 def from_cli(args, base: SamplingParams = GREEDY) -> SamplingParams:

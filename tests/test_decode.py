@@ -80,12 +80,12 @@ def test_stops_on_eos_and_max_new_tokens_exactly(target):
     stopping = dataclasses.replace(target, config=config)
     outs = jaxspec.generate(prompts, stopping, max_new_tokens=24)
     first = free[0].token_ids.index(stop)
-    assert outs[0].token_ids == free[0].token_ids[: first + 1] and outs[0].finish_reason == "eos"
+    assert outs[0].token_ids == free[0].token_ids[: first + 1] and outs[0].finish_reason == "stop"
     expected1 = free[1].token_ids
     if stop in expected1:
         expected1 = expected1[: expected1.index(stop) + 1]
     assert outs[1].token_ids == expected1
-    assert outs[1].finish_reason == ("eos" if len(expected1) < 24 or expected1[-1] == stop else "length")
+    assert outs[1].finish_reason == ("stop" if len(expected1) < 24 or expected1[-1] == stop else "length")
 
 
 def test_seeded_sampling_does_not_depend_on_batch_mates(target):

@@ -89,7 +89,7 @@ def check_greedy_matches_hf(model, hf, prompts: list[list[int]], max_new_tokens:
             f"\nengine: {completion.token_ids}\nHF:     {expected}"
         )
         stopped_on_eos = len(expected) < max_new_tokens or expected[-1] in eos
-        assert completion.finish_reason == ("eos" if stopped_on_eos else "length")
+        assert completion.finish_reason == ("stop" if stopped_on_eos else "length")
 
 
 def random_prompts(lengths, vocab: int, seed: int) -> list[list[int]]:

@@ -101,3 +101,28 @@ def test_batch_records_carry_any_sampling_field(model, tmp_path):
     assert "min_p must be in [0, 1] (0 = off); got 2" in got["b"]["error"]
     want = jaxspec.generate(["def h(z):"], model, temperature=0.9, min_p=0.1, seed=4, max_new_tokens=5)
     assert got["c"]["token_ids"] == want[0].token_ids
+
+
+def test_stop_token_ids_are_checked_against_the_vocabulary(model):
+    with pytest.raises(jaxspec.InputError, match=r"stop_token_ids entry must be an integer >= 0; got -1"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(jaxspec.InputError, match=r"stop_token_ids contains token id 8192 outside the vocabulary"):
+        jaxspec.generate(["x"], model, stop_token_ids=[8192])
+    args = cli.build_parser().parse_args(["generate", "x", "--stop-token-ids", "5,9"])
+    assert cli.sampling_from_cli(args).stop_token_ids == (5, 9)
+
+
+def test_generation_config_eos_ids_stop_rows_too(tmp_path):
+    """A chat model's end-of-turn id is often only in generation_config.json: it ends rows too."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(CHECKPOINTS / "hf" / "code-draft-4m", folder)
+    free = jaxspec.generate(["def add(a, b):"], jaxspec.load(folder, dtype="float32"), max_new_tokens=12)
+    stop = free[0].token_ids[5]
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [gen["eos_token_id"], stop]}))
+    m = jaxspec.load(folder, dtype="float32")
+    assert stop in m.config.eos_token_ids and gen["eos_token_id"] in m.config.eos_token_ids
+    out = jaxspec.generate(["def add(a, b):"], m, max_new_tokens=12)[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[0].token_ids[:6], "stop", None)

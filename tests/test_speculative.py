@@ -79,7 +79,34 @@ def test_eos_inside_an_accepted_run_ends_the_row(pair, prompts):
     ref = jaxspec.generate(prompts[:4], stopping, max_new_tokens=MAX_NEW)
     assert [o.token_ids for o in spec] == [o.token_ids for o in ref]
     assert [o.finish_reason for o in spec] == [o.finish_reason for o in ref]
-    assert spec[0].finish_reason == "eos" and spec[0].token_ids[-1] == stop
+    assert spec[0].finish_reason == "stop" and spec[0].token_ids[-1] == stop
+
+
+@pytest.mark.parametrize("drafter", ["model K=8", "ngram K=8", "model tree"])
+def test_stop_token_ids_end_rows_as_plain_decoding_does(pair, prompts, drafter):
+    """Each prompt's own stop ids, one of them a token the draft gets right mid-run: every row ends
+    where plain decoding with the same stops ends it, "stop" with stop_reason the id, its text
+    without the stop token, and no round after the one that generated it."""
+    target, draft = pair
+    free = jaxspec.generate(prompts[:4], target, max_new_tokens=MAX_NEW)
+    stops = [[free[0].token_ids[9]], [free[1].token_ids[4], 7], [], [free[3].token_ids[20]]]
+    sampling = [jaxspec.SamplingParams(temperature=0, max_tokens=MAX_NEW, seed=0, stop_token_ids=s) for s in stops]
+    how = {"model K=8": dict(draft=draft, num_draft_tokens=8), "ngram K=8": dict(draft="ngram", num_draft_tokens=8),
+           "model tree": dict(draft=draft, tree="binary-3")}[drafter]
+    draft_arg = how.pop("draft")
+    spec = jaxspec.generate(prompts[:4], target, draft_arg, sampling=sampling, **how)
+    ref = jaxspec.generate(prompts[:4], target, sampling=sampling)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in ref]
+    for out, plain_out, own, full in zip(spec, ref, stops, free):
+        assert (out.finish_reason, out.stop_reason, out.text) == (plain_out.finish_reason, plain_out.stop_reason,
+                                                                  plain_out.text)
+        if own:
+            assert out.finish_reason == "stop" and out.stop_reason == out.token_ids[-1] in own
+            assert out.text == target.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=True)
+            assert out.stats.target_steps - 1 <= len(out.token_ids)  # no round past the stop
+        else:
+            assert out.token_ids == full.token_ids
+    assert spec[0].token_ids == free[0].token_ids[:10]
 
 
 @pytest.mark.parametrize("family", ["llama3_rope", "mistral_swa", "qwen2", "qwen3"])

@@ -1,5 +1,5 @@
 """What every decode loop shares: the padded Batch of requests, the finish codes, the prefill
-and the commit of new tokens (cut at EOS and at each row's budget)."""
+and the commit of new tokens (cut at EOS or a row's stop token, and at each row's budget)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import forward
 from jaxspec.model.weights import Weights
 
-RUNNING, FINISH_EOS, FINISH_LENGTH, FINISH_PADDING = 0, 1, 2, 3
-FINISH_REASONS = {FINISH_EOS: "eos", FINISH_LENGTH: "length"}
+# FINISH_STOP: the row generated an EOS id or one of its stop token ids (vLLM's and OpenAI's "stop").
+RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_PADDING = 0, 1, 2, 3
+FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
 
 @struct.dataclass
@@ -25,10 +26,12 @@ class Batch:
     max_new_tokens: jnp.ndarray  # [b] int32
     sampling: SamplingArrays
     seeds: jnp.ndarray  # [b] uint32
+    stop_ids: jnp.ndarray  # [b, S] int32: each row's stop token ids, -1 past them
 
 
-def is_eos(tokens: jnp.ndarray, eos_ids: tuple[int, ...]) -> jnp.ndarray:
-    hit = jnp.zeros(tokens.shape, bool)
+def is_stop(tokens: jnp.ndarray, eos_ids: tuple[int, ...], stop_ids: jnp.ndarray) -> jnp.ndarray:
+    """tokens [b, m] -> [b, m]: an EOS id (static) or one of the row's stop ids (stop_ids [b, S])."""
+    hit = jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
     for e in eos_ids:
         hit |= tokens == e
     return hit
@@ -49,11 +52,12 @@ def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, 
 
 def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids):
     """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS
-    and at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish updated,
+    or stop token (so a stop inside an accepted chunk ends the row there) and at the row's
+    max_new_tokens; returns (state with out_tokens/num_generated/finish updated,
     tokens kept per row [b])."""
     running = state.finish == RUNNING
     j = jnp.arange(new.shape[1])[None, :]
-    eos_hit = (j < count[:, None]) & is_eos(new, eos_ids)
+    eos_hit = (j < count[:, None]) & is_stop(new, eos_ids, batch.stop_ids)
     has_eos = jnp.any(eos_hit, axis=1)
     first_eos = jnp.argmax(eos_hit, axis=1)
     kept = jnp.where(has_eos, first_eos + 1, count)
@@ -63,6 +67,6 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     idx = jnp.where(j < kept[:, None], state.num_generated[:, None] + j, state.out_tokens.shape[1])
     out = state.out_tokens.at[rows, idx].set(new, mode="drop")
     n = state.num_generated + kept
-    finish = jnp.where(running & has_eos & (first_eos < kept), FINISH_EOS, state.finish)
+    finish = jnp.where(running & has_eos & (first_eos < kept), FINISH_STOP, state.finish)
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
     return state.replace(out_tokens=out, num_generated=n, finish=finish), kept

@@ -102,5 +102,6 @@ def error_line(record: Record) -> dict:
 def ok_line(record: Record, completion, method: str) -> dict:
     return {
         **_head(record), "text": completion.text, "token_ids": completion.token_ids,
-        "finish_reason": completion.finish_reason, "method": method, "stats": completion.stats.as_dict(),
+        "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason, "method": method,
+        "stats": completion.stats.as_dict(),
     }

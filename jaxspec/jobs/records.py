@@ -10,7 +10,7 @@ from pathlib import Path
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.model.loading import Model
 from jaxspec.sampling_params import ALIASES, SamplingParams
-from jaxspec.serving.requests import Request, check_token_ids, encode_prompt
+from jaxspec.serving.requests import Request, encode_prompt, make_request
 
 # A record's own sampling settings: SamplingParams' fields (and their aliases), over the job's.
 SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)) + tuple(ALIASES)
@@ -108,9 +108,8 @@ def build_request(data: dict, target: Model, defaults: SamplingParams) -> Reques
         raise InputError(f"prompt_version must be a string; got {data['prompt_version']!r}")
     sampling = defaults.updated({f: data[f] for f in SETTING_FIELDS if f in data})
     c = target.config
-    ids = check_token_ids(encode_prompt(prompt, target.tokenizer, "prompt"), c.vocab_size,
-                          c.max_position_embeddings, sampling.max_tokens, "prompt")
-    return Request(ids, sampling)
+    return make_request(encode_prompt(prompt, target.tokenizer, "prompt"), sampling, c.vocab_size,
+                        c.max_position_embeddings, "prompt")
 
 
 def prepare(record: Record, target: Model, defaults: SamplingParams) -> Record:

@@ -165,4 +165,15 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    return config_from_hf(read_config_json(model_dir))
+    """config.json, with the EOS ids of generation_config.json (where present) added to its own, as
+    vLLM and HF generate() stop on both (a chat model's end-of-turn token is often only there)."""
+    cfg = read_config_json(model_dir)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            extra = _as_tuple(json.loads(gen.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ConfigError(f"{gen} is not a valid JSON object: {e}") from None
+        own = _as_tuple(cfg.get("eos_token_id"))
+        cfg = {**cfg, "eos_token_id": list(dict.fromkeys(own + extra))}
+    return config_from_hf(cfg)

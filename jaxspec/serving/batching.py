@@ -45,8 +45,17 @@ def plan_batches(requests: list[Request], max_batch_size: int) -> list[list[int]
     return [order[i : i + max_batch_size] for i in range(0, len(order), max_batch_size)]
 
 
-def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id: int) -> Batch:
+def stop_width(requests: list[Request]) -> int:
+    """Stop-id slots per row for a call (one shape for all its batches): the most any request has,
+    at least 1, as a power of two."""
+    return bucket(max((len(r.sampling.stop_token_ids) for r in requests), default=1), 1)
+
+
+def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id: int,
+               stops: int | None = None) -> Batch:
+    """The padded device batch of `requests`; stops: stop-id slots per row (default stop_width's)."""
     tokens = np.full((batch_size, prompt_len), pad_id, np.int32)
+    stop_ids = np.full((batch_size, stops or stop_width(requests)), -1, np.int32)
     lens = np.zeros(batch_size, np.int32)
     max_new = np.ones(batch_size, np.int32)
     seeds = np.zeros(batch_size, np.uint32)
@@ -55,8 +64,9 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
         lens[i] = len(r.token_ids)
         max_new[i] = r.max_new_tokens
         seeds[i] = r.seed
+        stop_ids[i, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
     sampling = SamplingArrays(row_values([r.sampling for r in requests], batch_size))
-    return Batch(tokens, lens, max_new, sampling, seeds)
+    return Batch(tokens, lens, max_new, sampling, seeds, stop_ids)
 
 
 def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:

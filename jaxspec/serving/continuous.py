@@ -27,7 +27,7 @@ from jaxspec.decoding.state import RUNNING
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import bucket, cache_capacity, make_batch
+from jaxspec.serving.batching import bucket, cache_capacity, make_batch, stop_width
 from jaxspec.serving.stats import completion
 
 
@@ -84,7 +84,8 @@ class _Slots:
         self.decode_s = self.compile_s = 0.0
         self.unreported = [0.0, 0.0]  # decode, compile seconds since on_done's last call
         # Whole on every device of the target's mesh, as the static scheduler's batches.
-        empty = replicate(make_batch([], slots, 1, target.config.pad_token_id), target.mesh)
+        self.stops = stop_width(list(reqs.values()))  # one stop-id width for every batch of the slots
+        empty = replicate(make_batch([], slots, 1, target.config.pad_token_id, self.stops), target.mesh)
         with self.clock():  # reported with the first records that finish
             self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)
             self.compile_s += graphs.precompile(self.graphs_needed())[0]
@@ -96,7 +97,8 @@ class _Slots:
         widths = sorted({bucket(len(r.token_ids)) for r in self.reqs.values()})
         where = jnp.zeros(self.admit_rows, jnp.int32)
         calls = [(admit, self.static, (w, self.params, self.state, self.batch,
-                                       replicate(make_batch([], self.admit_rows, width, pad), self.target.mesh), where))
+                                       replicate(make_batch([], self.admit_rows, width, pad, self.stops), self.target.mesh),
+                                       where))
                  for width in widths]
         calls.append((advance, self.advance_static, (w, self.params, self.batch, self.state, jnp.int32(0), jnp.int32(0))))
         rows = jnp.zeros(self.slots, jnp.int32)
@@ -130,7 +132,8 @@ class _Slots:
         rows = self.admit_rows
         for width, group in by_bucket.items():
             for part in (group[i : i + rows] for i in range(0, len(group), rows)):
-                new = make_batch([self.reqs[i] for _, i in part], rows, width, self.target.config.pad_token_id)
+                new = make_batch([self.reqs[i] for _, i in part], rows, width, self.target.config.pad_token_id,
+                                 self.stops)
                 where = np.full(rows, self.slots, np.int32)  # padding rows land past the end: dropped
                 where[: len(part)] = [s for s, _ in part]
                 self.state, self.batch = self.call(admit, self.static, self.target.weights, self.params, self.state,
@@ -161,7 +164,8 @@ class _Slots:
         """Completions of gathered rows (`got`: device arrays, row j = indices[j])."""
         out = {**jax.device_get(got), "finish": finish}
         for j, index in enumerate(indices):
-            self.done[index] = completion(self.target.tokenizer, self.reqs[index], out, j)
+            self.done[index] = completion(self.target.tokenizer, self.reqs[index], out, j,
+                                          self.target.config.eos_token_ids)
         return [(i, self.done[i]) for i in indices]
 
     def report(self, pairs) -> None:

@@ -14,7 +14,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model, check_draft_model, check_target, replicated_on
 from jaxspec.sampling_params import ALIASES, GREEDY, SamplingParams
 from jaxspec.serving.options import RUN_FIELDS, RunOptions
-from jaxspec.serving.requests import Request, check_token_ids, encode_prompt, per_prompt
+from jaxspec.serving.requests import Request, encode_prompt, make_request, per_prompt
 from jaxspec.serving.runner import run
 from jaxspec.serving.stats import Completions
 from jaxspec.serving.warnings import low_acceptance_message
@@ -33,8 +33,7 @@ def build_requests(prompts, model: Model, sampling: SamplingParams | Sequence[Sa
             raise InputError(f"sampling must be a jaxspec.SamplingParams or a list of one per prompt; got {params!r}")
         field = f"prompts[{i}]"
         ids = encode_prompt(prompt, model.tokenizer, field)
-        ids = check_token_ids(ids, c.vocab_size, c.max_position_embeddings, params.max_tokens, field)
-        requests.append(Request(ids, params))
+        requests.append(make_request(ids, params, c.vocab_size, c.max_position_embeddings, field))
     return requests
 
 
@@ -154,5 +153,14 @@ def with_keywords(sampling, keywords: dict, n: int):
     if not keywords:
         return sampling if sampling is not None else GREEDY
     bases = per_prompt(sampling if sampling is not None else GREEDY, n, "sampling")
-    values = {k: per_prompt(v, n, k) for k, v in keywords.items()}
+    values = {k: _per_prompt_value(k, v, n) for k, v in keywords.items()}
     return [base.updated({k: v[i] for k, v in values.items()}) for i, base in enumerate(bases)]
+
+
+def _per_prompt_value(key: str, value, n: int) -> list:
+    """A keyword's value for each prompt: a list gives one per prompt, except for a list-valued
+    field (stop_token_ids), where a list of lists does."""
+    if isinstance(getattr(GREEDY, ALIASES.get(key, key)), tuple):
+        listed = isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value)
+        return per_prompt(value, n, key) if listed else [value] * n
+    return per_prompt(value, n, key)

@@ -72,3 +72,12 @@ def encode_prompt(prompt, tokenizer, field: str):
     if isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
         return list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
     raise InputError(f"{field} must be a str or a list of token ids; got {type(prompt).__name__}")
+
+
+def make_request(prompt_ids, sampling: SamplingParams, vocab_size: int, context: int, field: str) -> Request:
+    """A checked Request: the prompt's ids (check_token_ids) and the stop token ids in the vocabulary."""
+    ids = check_token_ids(prompt_ids, vocab_size, context, sampling.max_tokens, field)
+    for t in sampling.stop_token_ids:
+        if t >= vocab_size:
+            raise InputError(f"stop_token_ids contains token id {t} outside the vocabulary [0, {vocab_size})")
+    return Request(ids, sampling)

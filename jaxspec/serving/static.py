@@ -21,7 +21,7 @@ from jaxspec.decoding.slots import begin
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches
+from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches, stop_width
 from jaxspec.serving.requests import Request
 from jaxspec.serving.stats import Completion, completion
 
@@ -30,10 +30,11 @@ def _batches(target: Model, requests: list[Request], groups: list[list[int]], lo
     """(request indices, padded batch, begin's static arguments) of each group."""
     out = []
     shapes = batch_shapes([[requests[i] for i in g] for g in groups], loop.slack)
+    stops = stop_width(requests)  # one width for the call: its batches share a loop graph
     for group, (rows, prompt_len, max_out, capacity) in zip(groups, shapes):
         reqs = [requests[i] for i in group]
         # Whole on every device of the target's mesh: every process passes the same batch.
-        batch = replicate(make_batch(reqs, rows, prompt_len, target.config.pad_token_id), target.mesh)
+        batch = replicate(make_batch(reqs, rows, prompt_len, target.config.pad_token_id, stops), target.mesh)
         out.append((group, batch, dict(loop=loop, capacity=capacity, max_out=max_out,
                                        greedy_only=all(r.sampling.greedy for r in reqs), attention=attention)))
     return out
@@ -105,7 +106,7 @@ def run_static(target: Model, requests: list[Request], max_batch_size: int, loop
         took = time.perf_counter() - t0 - spent
         decode_s += took
         for row, i in enumerate(group):
-            done[i] = completion(target.tokenizer, requests[i], out, row)
+            done[i] = completion(target.tokenizer, requests[i], out, row, target.config.eos_token_ids)
         if on_done is not None:
             on_done([(i, done[i]) for i in group], took, spent + compile_s)
         compile_s = 0.0  # the up-front compiles are reported once, with the first batch

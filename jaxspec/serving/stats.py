@@ -75,10 +75,15 @@ class CallMetrics(_Rates):
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    text: str | None  # generated part only; None when the model has no tokenizer
-    token_ids: list[int]  # generated tokens, the final EOS included when finish_reason == "eos"
-    finish_reason: str  # "eos" or "length"
+    """One request's result, in vLLM's terms. finish_reason: "stop" (an EOS id or a stop token id
+    was generated) or "length" (max_tokens, or the context, ran out); stop_reason: the stop token
+    id that ended it, None for EOS and "length"."""
+
+    text: str | None  # generated part only, without a stop token; None when the model has no tokenizer
+    token_ids: list[int]  # generated tokens, the final EOS or stop token included when finish_reason == "stop"
+    finish_reason: str  # "stop" or "length"
     stats: RequestStats
+    stop_reason: int | str | None = None
 
 
 class Completions(list):
@@ -107,9 +112,13 @@ def _request_stats(request: Request, out: dict, row: int) -> RequestStats:
     )
 
 
-def completion(tokenizer, request: Request, out: dict, row: int) -> Completion:
+def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[int, ...] = ()) -> Completion:
     """Row `row` of a decode loop's results (jaxspec.decoding.loop.results, on the host) as the
-    request's Completion; text decoded with `tokenizer` (None: no text)."""
+    request's Completion; text decoded with `tokenizer` (None: no text). eos_ids: the model's."""
     ids = out["out_tokens"][row, : int(out["num_generated"][row])].tolist()
-    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else None
-    return Completion(text, ids, FINISH_REASONS[int(out["finish"][row])], _request_stats(request, out, row))
+    reason = FINISH_REASONS[int(out["finish"][row])]
+    # vLLM's order: an EOS id is stop_reason None, else the stop token id that ended the row.
+    stop_id = ids[-1] if reason == "stop" and ids[-1] not in eos_ids and ids[-1] in request.sampling.stop_token_ids else None
+    shown = ids[:-1] if stop_id is not None else ids
+    text = tokenizer.decode(shown, skip_special_tokens=True) if tokenizer else None
+    return Completion(text, ids, reason, _request_stats(request, out, row), stop_id)
