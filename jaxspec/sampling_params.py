@@ -47,6 +47,20 @@ def _max_tokens(v, name):
     return check_int(v, name, 1)
 
 
+def _stop(v, name):
+    """None, a string or a list of non-empty strings -> a tuple (vLLM takes a string or a list)."""
+    if v is None:
+        return ()
+    stops = (v,) if isinstance(v, str) else v
+    if isinstance(stops, bytes) or not hasattr(stops, "__iter__"):
+        raise InputError(f"{name} must be a string or a list of strings; got {v!r}")
+    stops = tuple(stops)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise InputError(f"{name} must hold non-empty strings; got {s!r}")
+    return stops
+
+
 def _stop_token_ids(v, name):
     """None or a list of token ids (>= 0; the vocabulary is checked with the prompt) -> a tuple."""
     if v is None:
@@ -87,6 +101,9 @@ class SamplingParams:
     seed: int | None = setting(None, _seed, "random seed; each prompt gets its own stream (default: "
                                "vLLM's none, a fresh random seed; generate and the CLI: 0)", cli={"type": int})
     max_tokens: int = setting(16, _max_tokens, "tokens to generate per prompt (>= 1)", cli={"type": int})
+    stop: tuple[str, ...] = setting(
+        (), _stop, "a string that ends a request when the output contains it; the text ends before it "
+        "(finish_reason 'stop', stop_reason the string); repeat for several", cli={"action": "append"})
     stop_token_ids: tuple[int, ...] = setting(
         (), _stop_token_ids, "token ids that end a request when generated (besides the model's EOS ids), "
         "comma-separated; finish_reason 'stop', stop_reason the id", cli={"type": _id_list})

@@ -10,19 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import request
 
 import jaxspec
 from jaxspec.decoding.drafting import Round
 from jaxspec.decoding.method import DecodeMethod
-from jaxspec.decoding.sampling import SamplingArrays
-from jaxspec.sampling_params import SamplingParams
-from jaxspec.decoding.state import Batch
 from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import ancestor_mask
 from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache
-from jaxspec.model.eagle import fuse_features, head_cache, head_forward, random_eagle_folder
+from jaxspec.model.eagle import (
+    fuse_features,
+    head_cache,
+    head_forward,
+    random_eagle_folder,
+)
 from jaxspec.model.forward import forward, rms_norm
+from jaxspec.serving.batching import make_batch
 
 HF = Path(__file__).resolve().parents[1] / "checkpoints" / "hf"
 PROMPTS = ["def fibonacci(n):", "import os\n\ndef list_files(path):\n    ", "class Queue:\n    def put(self, x):"]
@@ -142,9 +146,8 @@ def test_drafts_equal_a_full_recompute_after_rounds_of_any_acceptance(head, targ
     layers = drafter.feature_layers
     text = list(target.tokenizer.encode(PROMPTS[1] + "return [f for f in os.listdir(path) if f.endswith('.py')]"))
     P = 8
-    sampling = SamplingArrays.of([SamplingParams(temperature=1.0)])
-    batch = Batch(jnp.asarray([text[:P]], jnp.int32), jnp.asarray([P], jnp.int32), jnp.asarray([64], jnp.int32),
-                  sampling, jnp.zeros(1, jnp.uint32))
+    batch = jax.tree.map(jnp.asarray, make_batch([request(text[:P], 64, temperature=1.0)], 1, P, 0))
+    sampling = batch.sampling
     cache = KVCache.create(target.config, 1, 64, jnp.float32)
     _, _, feats = forward(target.weights, target.config, batch.tokens, cache, features_at=layers)
     state = drafter.init(params, batch, 64, 32, jnp.asarray([text[P]]), features=feats)

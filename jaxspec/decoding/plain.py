@@ -29,6 +29,7 @@ class DecodeState:
     out_tokens: jnp.ndarray  # [b, max_out] int32
     num_generated: jnp.ndarray  # [b] int32
     finish: jnp.ndarray  # [b] int32: RUNNING or a FINISH_* code
+    stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
 
 
 def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> DecodeState:
@@ -58,6 +59,7 @@ class PlainLoop:
             out_tokens=jnp.full((b, max_out), c.pad_token_id, jnp.int32),
             num_generated=zeros,
             finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+            stop_state=zeros,
         )
         first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
         return _record(state, first, batch, c.eos_token_ids)

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.state import Batch
+from jaxspec.decoding.state import Batch, Shared
 from jaxspec.model.cache import KVCache
 
 
@@ -18,8 +18,10 @@ def insert_rows(big, new, slots: jnp.ndarray):
     def put(b, n):
         if isinstance(b, KVCache):
             return b.insert(n, slots)
+        if isinstance(b, Shared):  # one for all rows (the call's, the same in `new`)
+            return b
         return b if b.ndim == 0 else b.at[slots].set(n, mode="drop")
-    return jax.tree.map(put, big, new, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(put, big, new, is_leaf=lambda x: isinstance(x, (KVCache, Shared)))
 
 
 def _slot_batch(batch: Batch) -> Batch:

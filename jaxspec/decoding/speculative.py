@@ -57,6 +57,7 @@ class SpecState:
     out_tokens: jnp.ndarray  # [b, max_out]
     num_generated: jnp.ndarray  # [b]
     finish: jnp.ndarray  # [b]
+    stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
 
@@ -148,6 +149,7 @@ class SpeculativeLoop:
             out_tokens=jnp.full((b, max_out), c.pad_token_id, jnp.int32),
             num_generated=zeros,
             finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
+            stop_state=zeros,
             rounds=zeros,
             accepted_per_position=jnp.zeros((b, D), jnp.int32),
         )

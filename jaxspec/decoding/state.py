@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.decoding.sampling import SamplingArrays
+from jaxspec.decoding.stop_strings import step_stops
 from jaxspec.model.cache import KVCache
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import forward
@@ -27,6 +28,15 @@ class Batch:
     sampling: SamplingArrays
     seeds: jnp.ndarray  # [b] uint32
     stop_ids: jnp.ndarray  # [b, S] int32: each row's stop token ids, -1 past them
+    stop_sets: jnp.ndarray  # [b] int32: each row's set of stop strings in stop_tables (0: none)
+    stop_tables: "Shared"  # [sets, states, v] the call's stop-string automata (stop_strings.py)
+
+
+@struct.dataclass
+class Shared:
+    """An array that every row of a batch shares: inserting rows (slots.insert_rows) keeps it."""
+
+    value: jnp.ndarray
 
 
 def is_stop(tokens: jnp.ndarray, eos_ids: tuple[int, ...], stop_ids: jnp.ndarray) -> jnp.ndarray:
@@ -51,22 +61,26 @@ def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, 
 
 
 def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids):
-    """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS
-    or stop token (so a stop inside an accepted chunk ends the row there) and at the row's
-    max_new_tokens; returns (state with out_tokens/num_generated/finish updated,
+    """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS,
+    a stop token or the token that completes a stop string (so a stop inside an accepted chunk
+    ends the row there) and at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish/stop_state updated,
     tokens kept per row [b])."""
     running = state.finish == RUNNING
-    j = jnp.arange(new.shape[1])[None, :]
+    m = new.shape[1]
+    j = jnp.arange(m)[None, :]
     eos_hit = (j < count[:, None]) & is_stop(new, eos_ids, batch.stop_ids)
-    has_eos = jnp.any(eos_hit, axis=1)
-    first_eos = jnp.argmax(eos_hit, axis=1)
-    kept = jnp.where(has_eos, first_eos + 1, count)
+    first_string, stop_states = step_stops(batch.stop_tables.value, batch.stop_sets, state.stop_state, new, count)
+    first = jnp.minimum(jnp.where(jnp.any(eos_hit, axis=1), jnp.argmax(eos_hit, axis=1), m), first_string)
+    has_stop = first < m
+    kept = jnp.where(has_stop, first + 1, count)
     kept = jnp.where(running, jnp.minimum(kept, batch.max_new_tokens - state.num_generated), 0)
     rows = jnp.arange(new.shape[0])[:, None]
     # Positions past `kept` point outside the buffer and are dropped.
     idx = jnp.where(j < kept[:, None], state.num_generated[:, None] + j, state.out_tokens.shape[1])
     out = state.out_tokens.at[rows, idx].set(new, mode="drop")
     n = state.num_generated + kept
-    finish = jnp.where(running & has_eos & (first_eos < kept), FINISH_STOP, state.finish)
+    finish = jnp.where(running & has_stop & (first < kept), FINISH_STOP, state.finish)
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
-    return state.replace(out_tokens=out, num_generated=n, finish=finish), kept
+    stop_state = jnp.where(kept > 0, jnp.take_along_axis(stop_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
+                           state.stop_state)
+    return state.replace(out_tokens=out, num_generated=n, finish=finish, stop_state=stop_state), kept

@@ -4,7 +4,9 @@ Input: one JSON object per line: "id" (a non-empty string or an integer), "promp
 list of token ids) or "messages" (a chat rendered with the tokenizer's chat template), and
 optionally any jaxspec.SamplingParams field ("max_tokens" or "max_new_tokens", "temperature", ...: overriding the job's
 defaults) and "prompt_version" (a string, reported separately in the summary). Other fields are
-ignored. Blank lines are skipped.
+ignored. Blank lines are skipped. A line in the OpenAI batch format ("custom_id", "method", "url",
+"body") is a request to /v1/chat/completions or /v1/completions, keyed by its custom_id and
+answered in the OpenAI batch output format (jaxspec/jobs/openai_batch.py); a file may mix both.
 
 Output: one JSON line per input record, in completion order (records are grouped by shape for
 throughput; each line names its "id" and input "line"): "text", "token_ids", "finish_reason",
@@ -39,9 +41,11 @@ from jaxspec.jobs.local import run_local
 from jaxspec.jobs.metrics_log import AcceptanceWatch, MetricsLog
 from jaxspec.jobs.output import (
     ChunkWriter,
+    as_result,
     check_output_unique,
     error_line,
     ok_line,
+    output_key,
     read_output,
     repair_tail,
 )
@@ -177,7 +181,7 @@ class _Job:
             log.warning("%s: removed a torn final line (%d bytes) left by an interrupted run", self.out_path, torn)
         existing = read_output(self.out_path)
         check_output_unique(existing, self.out_path)
-        done = {str(x["id"]) for x in existing}
+        done = {output_key(x) for x in existing}
         pending = [prepare(r, self.target, self.defaults) for r in self.records if r.key not in done]
         self.skipped = len(self.records) - len(pending)
         todo = [r for r in pending if r.error is None]
@@ -208,8 +212,9 @@ class _Job:
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str, worker=None) -> None:
         """Writes a finished chunk durably, then logs and shows it."""
         state, method = self.state, method_fields(self.method)
-        lines = [ok_line(r, c, method["method"]) for r, c in zip(chunk, outs)]
-        self.writer.write(lines)
+        written = [ok_line(r, c, method["method"], self.target.name) for r, c in zip(chunk, outs)]
+        self.writer.write(written)
+        lines = [as_result(x) for x in written]
         t = report.totals(lines)
         low = self.watch.update(t["accepted"], t["drafted"]) if self.method.watches_acceptance else False
         state.records += len(lines)
@@ -285,7 +290,7 @@ class _Job:
         run's throughput: wall time from the start to the last write, canary and compiles included."""
         keys = {r.key for r in self.records}
         written = read_output(self.out_path)
-        mine = [x for x in written if str(x["id"]) in keys]
+        mine = [as_result(x) for x in written if output_key(x) in keys]
         missing = len(keys) - len({str(x["id"]) for x in mine})
         if missing:
             log.warning("%s: %d input record(s) are missing from the output", self.out_path, missing)

@@ -1,5 +1,6 @@
 """Batch-job output: the crash-safe writer (whole chunks, flushed and fsynced, under a lock),
-resume (a torn final line cut, the ids already written read back) and the output lines."""
+resume (a torn final line cut, the ids already written read back) and the output lines (an OpenAI
+batch request's in the OpenAI batch output format, jaxspec/jobs/openai_batch.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from jaxspec.jobs import openai_batch
 from jaxspec.jobs.records import MAX_LISTED_DUPLICATES, BatchError, Record
 
 
@@ -48,9 +50,19 @@ def read_output(path: Path) -> list[dict]:
     return out
 
 
+def output_key(line: dict) -> str:
+    """The input record an output line answers: its id, or an OpenAI answer's custom_id."""
+    return openai_batch.key(line) if openai_batch.is_answer(line) else str(line["id"])
+
+
+def as_result(line: dict) -> dict:
+    """An output line in the job's own layout ("id", "stats", "finish_reason" or "error"), for the summary."""
+    return openai_batch.as_result(line) if openai_batch.is_answer(line) else line
+
+
 def check_output_unique(records: list[dict], path: Path) -> None:
     seen: set[str] = set()
-    dups = sorted({str(r["id"]) for r in records if str(r["id"]) in seen or seen.add(str(r["id"]))})
+    dups = sorted({k for k in map(output_key, records) if k in seen or seen.add(k)})
     if dups:
         raise BatchError(f"{path} already holds id(s) more than once: {', '.join(map(repr, dups[:MAX_LISTED_DUPLICATES]))}")
 
@@ -96,10 +108,14 @@ def _head(record: Record) -> dict:
 
 
 def error_line(record: Record) -> dict:
+    if record.openai:
+        return openai_batch.error_line(record)
     return {**_head(record), "error": record.error}
 
 
-def ok_line(record: Record, completion, method: str) -> dict:
+def ok_line(record: Record, completion, method: str, model: str = "") -> dict:
+    if record.openai:
+        return openai_batch.ok_line(record, completion, method, model)
     return {
         **_head(record), "text": completion.text, "token_ids": completion.token_ids,
         "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason, "method": method,

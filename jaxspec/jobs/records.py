@@ -1,5 +1,6 @@
 """Batch-job input: reading each line into a Record, refusing duplicate ids, and building each
-record's Request (its own settings over the job's defaults; errors name the field)."""
+record's Request (its own settings over the job's defaults; errors name the field). OpenAI batch
+request lines (custom_id, url, body) are read by jaxspec/jobs/openai_batch.py into the same Records."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 from jaxspec.errors import InputError, JaxspecError
+from jaxspec.jobs import openai_batch  # OpenAI batch request lines (it reads this module's Record)
 from jaxspec.model.loading import Model
 from jaxspec.sampling_params import ALIASES, SamplingParams
 from jaxspec.serving.requests import Request, encode_prompt, make_request
@@ -29,6 +31,8 @@ class Record:
     data: dict | None  # the parsed object; None when the line could not be read
     error: str | None = None
     request: Request | None = None
+    openai: bool = False  # an OpenAI batch request line (key = its custom_id), answered in that format
+    error_code: str | None = None  # the OpenAI error object's code
 
     @property
     def prompt_version(self):
@@ -51,6 +55,8 @@ def parse_line(raw: bytes, line: int) -> Record:
         return bad(f"line {line} is not valid JSON: {e.msg} at column {e.colno}")
     if not isinstance(obj, dict):
         return bad(f"line {line} is a JSON {type(obj).__name__}, not an object")
+    if openai_batch.is_request(obj):
+        return openai_batch.parse(obj, line)
     rid = obj.get("id")
     if rid is None:
         return Record(line, unnamed, unnamed, obj, 'id is missing: each record needs an "id" (a string or an integer)')
@@ -61,7 +67,11 @@ def parse_line(raw: bytes, line: int) -> Record:
 
 def read_input(path: Path) -> list[Record]:
     with open(path, "rb") as f:
-        return [parse_line(raw, n) for n, raw in enumerate(f, 1) if raw.strip()]
+        records = [parse_line(raw, n) for n, raw in enumerate(f, 1) if raw.strip()]
+    if any(r.openai for r in records):  # an OpenAI batch file: its unnamed lines are answered in its format
+        records = [openai_batch.parse(r.data, r.line, r.error) if r.key == f"line:{r.line}" and not r.openai
+                   and (r.data is None or "id" not in r.data) else r for r in records]
+    return records
 
 
 def check_unique(records: list[Record], path: Path) -> None:
@@ -109,13 +119,14 @@ def build_request(data: dict, target: Model, defaults: SamplingParams) -> Reques
     sampling = defaults.updated({f: data[f] for f in SETTING_FIELDS if f in data})
     c = target.config
     return make_request(encode_prompt(prompt, target.tokenizer, "prompt"), sampling, c.vocab_size,
-                        c.max_position_embeddings, "prompt")
+                        c.max_position_embeddings, "prompt", target.tokenizer)
 
 
 def prepare(record: Record, target: Model, defaults: SamplingParams) -> Record:
     if record.error is None:
         try:
-            record.request = build_request(record.data, target, defaults)
+            build = openai_batch.build_request if record.openai else build_request
+            record.request = build(record.data, target, defaults)
         except InputError as e:
-            record.error = str(e)
+            record.error, record.error_code = str(e), getattr(e, "code", None)
     return record

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import tokenizers
@@ -108,3 +109,47 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab={len(self)})"
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as -> the byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def token_bytes(tokenizer, vocab_size: int) -> tuple[bytes, ...]:
+    """The bytes each token id adds to the decoded text (b"" for special tokens, which decoding
+    skips, and ids past the tokenizer): byte-level BPE through its alphabet, SentencePiece-style
+    pieces through their byte fallback and "▁" spaces, anything else decoded alone."""
+    backend = getattr(tokenizer, "backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):  # a slow tokenizer: each id decoded alone
+        return tuple(tokenizer.decode([i], skip_special_tokens=True).encode() for i in range(vocab_size))
+    decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+    added = backend.get_added_tokens_decoder()
+    byte_level = _byte_level_chars() if '"ByteLevel"' in decoder else None
+    out = []
+    for i in range(vocab_size):
+        piece = backend.id_to_token(i)
+        if piece is None or (i in added and added[i].special):
+            out.append(b"")
+        elif i in added:
+            out.append(added[i].content.encode())
+        elif byte_level is not None:
+            out.append(bytes(byte_level[c] for c in piece) if all(c in byte_level for c in piece) else piece.encode())
+        elif (m := _BYTE_FALLBACK.match(piece)) and '"ByteFallback"' in decoder:
+            out.append(bytes([int(m.group(1), 16)]))
+        elif "▁" in decoder:
+            out.append(piece.replace("▁", " ").encode())
+        else:
+            out.append(backend.decode([i]).encode())
+    return tuple(out)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
 from jaxspec.decoding.sampling import SamplingArrays
-from jaxspec.decoding.state import Batch
+from jaxspec.decoding.state import Batch, Shared
+from jaxspec.decoding.stop_strings import StopPlan
+from jaxspec.model.tokenizer import token_bytes
 from jaxspec.sampling_params import row_values
 from jaxspec.serving.requests import Request
 from pallas_kernels.tree_attention import BLOCK_K
@@ -45,17 +49,28 @@ def plan_batches(requests: list[Request], max_batch_size: int) -> list[list[int]
     return [order[i : i + max_batch_size] for i in range(0, len(order), max_batch_size)]
 
 
-def stop_width(requests: list[Request]) -> int:
-    """Stop-id slots per row for a call (one shape for all its batches): the most any request has,
-    at least 1, as a power of two."""
-    return bucket(max((len(r.sampling.stop_token_ids) for r in requests), default=1), 1)
+def stop_plan(requests: list[Request], model=None) -> StopPlan:
+    """A call's stops (stop_strings.StopPlan): stop-id slots for the request with the most (at
+    least 1, a power of two) and the automata of their stop strings over `model`'s tokens."""
+    sets = [r.sampling.stop for r in requests if r.sampling.stop]
+    vocab = _token_bytes(model.tokenizer, model.config.vocab_size) if sets else None
+    width = bucket(max((len(r.sampling.stop_token_ids) for r in requests), default=1), 1)
+    return StopPlan(sets, vocab, width)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_bytes(tokenizer, vocab_size: int) -> tuple[bytes, ...]:
+    return token_bytes(tokenizer, vocab_size)
 
 
 def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id: int,
-               stops: int | None = None) -> Batch:
-    """The padded device batch of `requests`; stops: stop-id slots per row (default stop_width's)."""
+               stops: StopPlan | None = None) -> Batch:
+    """The padded device batch of `requests`; stops: the call's (default: these requests' stop ids,
+    no stop strings)."""
+    stops = stops or stop_plan(requests)
     tokens = np.full((batch_size, prompt_len), pad_id, np.int32)
-    stop_ids = np.full((batch_size, stops or stop_width(requests)), -1, np.int32)
+    stop_ids = np.full((batch_size, stops.id_width), -1, np.int32)
+    stop_sets = np.zeros(batch_size, np.int32)
     lens = np.zeros(batch_size, np.int32)
     max_new = np.ones(batch_size, np.int32)
     seeds = np.zeros(batch_size, np.uint32)
@@ -65,8 +80,9 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
         max_new[i] = r.max_new_tokens
         seeds[i] = r.seed
         stop_ids[i, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
+        stop_sets[i] = stops.set_of(r.sampling.stop)
     sampling = SamplingArrays(row_values([r.sampling for r in requests], batch_size))
-    return Batch(tokens, lens, max_new, sampling, seeds, stop_ids)
+    return Batch(tokens, lens, max_new, sampling, seeds, stop_ids, stop_sets, Shared(stops.tables))
 
 
 def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:

@@ -27,7 +27,7 @@ from jaxspec.decoding.state import RUNNING
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import bucket, cache_capacity, make_batch, stop_width
+from jaxspec.serving.batching import bucket, cache_capacity, make_batch, stop_plan
 from jaxspec.serving.stats import completion
 
 
@@ -84,7 +84,7 @@ class _Slots:
         self.decode_s = self.compile_s = 0.0
         self.unreported = [0.0, 0.0]  # decode, compile seconds since on_done's last call
         # Whole on every device of the target's mesh, as the static scheduler's batches.
-        self.stops = stop_width(list(reqs.values()))  # one stop-id width for every batch of the slots
+        self.stops = stop_plan(list(reqs.values()), target)  # one shape for every batch of the slots
         empty = replicate(make_batch([], slots, 1, target.config.pad_token_id, self.stops), target.mesh)
         with self.clock():  # reported with the first records that finish
             self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)

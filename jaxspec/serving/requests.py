@@ -74,9 +74,13 @@ def encode_prompt(prompt, tokenizer, field: str):
     raise InputError(f"{field} must be a str or a list of token ids; got {type(prompt).__name__}")
 
 
-def make_request(prompt_ids, sampling: SamplingParams, vocab_size: int, context: int, field: str) -> Request:
-    """A checked Request: the prompt's ids (check_token_ids) and the stop token ids in the vocabulary."""
+def make_request(prompt_ids, sampling: SamplingParams, vocab_size: int, context: int, field: str,
+                 tokenizer=None) -> Request:
+    """A checked Request: the prompt's ids (check_token_ids), the stop token ids in the vocabulary,
+    and a tokenizer for stop strings (they are matched on the tokens' bytes)."""
     ids = check_token_ids(prompt_ids, vocab_size, context, sampling.max_tokens, field)
+    if sampling.stop and tokenizer is None:
+        raise InputError("stop strings need the model's tokenizer, and this model has none; use stop_token_ids")
     for t in sampling.stop_token_ids:
         if t >= vocab_size:
             raise InputError(f"stop_token_ids contains token id {t} outside the vocabulary [0, {vocab_size})")

@@ -21,7 +21,7 @@ from jaxspec.decoding.slots import begin
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
-from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches, stop_width
+from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches, stop_plan
 from jaxspec.serving.requests import Request
 from jaxspec.serving.stats import Completion, completion
 
@@ -30,7 +30,7 @@ def _batches(target: Model, requests: list[Request], groups: list[list[int]], lo
     """(request indices, padded batch, begin's static arguments) of each group."""
     out = []
     shapes = batch_shapes([[requests[i] for i in g] for g in groups], loop.slack)
-    stops = stop_width(requests)  # one width for the call: its batches share a loop graph
+    stops = stop_plan(requests, target)  # one shape for the call: its batches share a loop graph
     for group, (rows, prompt_len, max_out, capacity) in zip(groups, shapes):
         reqs = [requests[i] for i in group]
         # Whole on every device of the target's mesh: every process passes the same batch.

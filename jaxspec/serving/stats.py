@@ -117,8 +117,21 @@ def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[
     request's Completion; text decoded with `tokenizer` (None: no text). eos_ids: the model's."""
     ids = out["out_tokens"][row, : int(out["num_generated"][row])].tolist()
     reason = FINISH_REASONS[int(out["finish"][row])]
-    # vLLM's order: an EOS id is stop_reason None, else the stop token id that ended the row.
-    stop_id = ids[-1] if reason == "stop" and ids[-1] not in eos_ids and ids[-1] in request.sampling.stop_token_ids else None
-    shown = ids[:-1] if stop_id is not None else ids
-    text = tokenizer.decode(shown, skip_special_tokens=True) if tokenizer else None
-    return Completion(text, ids, reason, _request_stats(request, out, row), stop_id)
+    stops = request.sampling
+    # vLLM's order: an EOS id is stop_reason None, then a stop token id, then a stop string.
+    by_id = reason == "stop" and ids[-1] not in eos_ids and ids[-1] in stops.stop_token_ids
+    text = tokenizer.decode(ids[:-1] if by_id else ids, skip_special_tokens=True) if tokenizer else None
+    stop_reason = ids[-1] if by_id else None
+    if reason == "stop" and not by_id and ids[-1] not in eos_ids and stops.stop and text is not None:
+        text, stop_reason = _before_stop(text, stops.stop)
+    return Completion(text, ids, reason, _request_stats(request, out, row), stop_reason)
+
+
+def _before_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """The text before its earliest stop string, and that string (the loop ended the row on the
+    token that completed it)."""
+    found = [(text.find(s), i) for i, s in enumerate(stops) if s in text]
+    if not found:
+        return text, None
+    at, i = min(found)
+    return text[:at], stops[i]

@@ -1,0 +1,210 @@
+"""OpenAI batch files (the format of the OpenAI Batch API and `vllm run-batch`) in a batch job.
+
+An input line `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body": {...}}` is a request; its answer is one line in the OpenAI batch output format, keyed by
+custom_id (resume, duplicates and the summary treat custom_id as a record's id). Everything else
+(crash-safe writes, resume, the canary, the metrics log) is the job's own machinery: this file only
+reads such lines into Records and writes their answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from jaxspec.errors import InputError
+from jaxspec.jobs import records  # (which imports this module: its names are read at call time)
+from jaxspec.sampling_params import SamplingParams
+from jaxspec.serving.requests import Request, encode_prompt, make_request
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+URLS = (CHAT, COMPLETIONS)
+
+# The body's settings: OpenAI body key -> the jaxspec.SamplingParams field it sets. A key the body
+# omits (or sets to null) keeps the job's default (JobSettings.sampling, the batch CLI's flags), not
+# OpenAI's: omitted max_tokens is the job's --max-new-tokens. Listed in the order applied, so
+# max_completion_tokens wins over max_tokens, as in vLLM.
+BODY_SETTINGS = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",  # vLLM's extra body fields
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
+}
+# Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
+# error line naming the key). Supporting one is moving it into BODY_SETTINGS.
+NOT_YET = {
+    "stop": (None, []),
+    "n": (None, 1),
+    "logprobs": (None, False),  # chat: a bool; completions: a count (0 still asks for logprobs)
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+}
+UNNAMED = ("invalid_json_line", "missing_custom_id", "invalid_custom_id")  # parse()'s codes of lines keyed "line:N"
+FINISH_REASONS = {"eos": "stop"}  # the engine's older name; "stop" and "length" pass through
+
+
+class RequestError(InputError):
+    """A request line that cannot be served; `code` goes into its error object."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+def is_request(obj: dict) -> bool:
+    """Whether an input object is an OpenAI batch request (rather than a jaxspec record)."""
+    return "custom_id" in obj or ("id" not in obj and ("body" in obj or "url" in obj))
+
+
+def parse(obj: dict | None, line: int, error: str | None = None) -> records.Record:
+    """An OpenAI request line -> Record keyed by custom_id; a line without a usable custom_id (or
+    unreadable, obj None, `error` saying why) is keyed "line:N", as the job's other unnamed lines."""
+    unnamed = f"line:{line}"
+    if obj is None:
+        return records.Record(line, unnamed, unnamed, None, error, openai=True, error_code="invalid_json_line")
+    cid = obj.get("custom_id")
+    if cid is None:
+        return records.Record(line, unnamed, unnamed, obj, "custom_id is missing: each request needs a \"custom_id\" (a string)",
+                      openai=True, error_code="missing_custom_id")
+    if not isinstance(cid, str) or not cid:
+        return records.Record(line, unnamed, unnamed, obj, f"custom_id must be a non-empty string; got {cid!r}", openai=True,
+                      error_code="invalid_custom_id")
+    return records.Record(line, cid, cid, obj, openai=True)
+
+
+def _off(value, offs) -> bool:
+    """value is one of `offs`, bools apart (a completions logprobs of 0 still asks for logprobs)."""
+    return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in offs)
+
+
+def sampling_of(body: dict, defaults: SamplingParams) -> SamplingParams:
+    """The body's settings (BODY_SETTINGS) over the job's defaults; errors name the body key."""
+    for key, offs in NOT_YET.items():
+        if key in body and not _off(body[key], offs):
+            raise RequestError(f"body.{key} is not supported yet (got {body[key]!r}); leave it out", "unsupported_parameter")
+    checks = {f.name: f.metadata["check"] for f in dataclasses.fields(SamplingParams)}
+    given = {}
+    for key, field in BODY_SETTINGS.items():
+        if body.get(key) is not None:
+            given[field] = checks[field](body[key], f"body.{key}")
+    return dataclasses.replace(defaults, **given)
+
+
+def _text(content, where: str):
+    """A message's content: a string, or OpenAI's list of text parts (joined with newlines, as vLLM does)."""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(f'{where} must be a string or a list of {{"type": "text", "text": ...}} parts')
+        return "\n".join(p["text"] for p in content)
+    return content
+
+
+def _prompt(body: dict, url: str, target):
+    """The prompt to encode: the chat rendered with the tokenizer's template, or the completion's prompt."""
+    if url == CHAT:
+        messages = body.get("messages")
+        if messages is None:
+            raise RequestError(f"body.messages is missing: {CHAT} needs a chat")
+        if isinstance(messages, list):
+            messages = [{**m, "content": _text(m.get("content"), f"body.messages[{i}].content")}
+                        if isinstance(m, dict) else m for i, m in enumerate(messages)]
+        try:
+            return records.render_messages(messages, target.tokenizer, target.name), "body.messages"
+        except InputError as e:
+            raise RequestError(f"body.{e}") from None
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise RequestError(f"body.prompt is missing: {COMPLETIONS} needs a prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise RequestError(f"body.prompt holds {len(prompt)} prompts; give one prompt per request line")
+        prompt = prompt[0]
+    return prompt, "body.prompt"
+
+
+def build_request(data: dict, target, defaults: SamplingParams) -> Request:
+    """A request line's Request; RequestError names the field (body.temperature, url, ...)."""
+    if data.get("method", "POST") != "POST":
+        raise RequestError(f"method must be POST; got {data['method']!r}", "invalid_method")
+    url = data.get("url")
+    if url not in URLS:
+        raise RequestError(f"url must be {CHAT} or {COMPLETIONS}; got {url!r}", "invalid_url")
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise RequestError(f"body must be an object; got {body!r}")
+    sampling = sampling_of(body, defaults)
+    prompt, field = _prompt(body, url, target)
+    c = target.config
+    try:
+        return make_request(encode_prompt(prompt, target.tokenizer, field), sampling, c.vocab_size,
+                            c.max_position_embeddings, field)
+    except InputError as e:
+        raise RequestError(str(e)) from None
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def error_line(record: records.Record) -> dict:
+    """A request that could not be served; a line without a usable custom_id keeps the id "line:N"."""
+    named = record.error_code not in UNNAMED
+    return {"id": _id("batch_req_") if named else record.id, "custom_id": record.id if named else None,
+            "response": None, "error": {"code": record.error_code or "invalid_request", "message": record.error}}
+
+
+def ok_line(record: records.Record, completion, method: str, model: str) -> dict:
+    """The answer in the OpenAI batch output format; jaxspec's own fields under body["jaxspec"]."""
+    reason = FINISH_REASONS.get(completion.finish_reason, completion.finish_reason)
+    stop_reason = getattr(completion, "stop_reason", None)
+    if record.data["url"] == CHAT:
+        head = {"id": _id("chatcmpl-"), "object": "chat.completion"}
+        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}}
+    else:
+        head = {"id": _id("cmpl-"), "object": "text_completion"}
+        choice = {"index": 0, "text": completion.text}
+    stats = completion.stats.as_dict()
+    prompt_tokens, new = stats["prompt_tokens"], len(completion.token_ids)
+    ours = {"line": record.line, "method": method, "token_ids": completion.token_ids, "stats": stats}
+    if record.prompt_version is not None:
+        ours["prompt_version"] = record.prompt_version
+    body = {
+        **head, "created": int(time.time()), "model": model,
+        "choices": [{**choice, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
+        "jaxspec": ours,
+    }
+    return {"id": _id("batch_req_"), "custom_id": record.id,
+            "response": {"status_code": 200, "request_id": _id("req_"), "body": body}, "error": None}
+
+
+def is_answer(line: dict) -> bool:
+    return "custom_id" in line and "response" in line
+
+
+def key(line: dict) -> str:
+    """An output line's record key: its custom_id, or its id ("line:N") where it had none."""
+    return str(line["id"] if line.get("custom_id") is None else line["custom_id"])
+
+
+def as_result(line: dict) -> dict:
+    """An answer line as the job's own output record, for the summary and the metrics log."""
+    body = (line.get("response") or {}).get("body")
+    if line.get("error") or not isinstance(body, dict):
+        err = line.get("error") or {}
+        return {"id": key(line), "error": err.get("message", str(err)) if isinstance(err, dict) else str(err)}
+    ours, usage = body.get("jaxspec") or {}, body.get("usage") or {}
+    new = usage.get("completion_tokens", 0)
+    stats = ours.get("stats") or {"prompt_tokens": usage.get("prompt_tokens", 0), "new_tokens": new,
+                                  "target_steps": new, "drafted": 0, "accepted": 0}
+    out = {"id": key(line), "finish_reason": body["choices"][0].get("finish_reason"), "stats": stats}
+    if "prompt_version" in ours:
+        out["prompt_version"] = ours["prompt_version"]
+    return out
