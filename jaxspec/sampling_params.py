@@ -47,6 +47,20 @@ def _max_tokens(v, name):
     return check_int(v, name, 1)
 
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def _optional_count(v, name, most: int):
+    return None if v is None else check_int(v, name, 0, most)
+
+
+def _logprobs_mode(v, name):
+    if v not in LOGPROBS_MODES:
+        raise InputError(f"{name} must be one of {', '.join(LOGPROBS_MODES)}; got {v!r}")
+    return v
+
+
 def _stop(v, name):
     """None, a string or a list of non-empty strings -> a tuple (vLLM takes a string or a list)."""
     if v is None:
@@ -81,7 +95,7 @@ def _id_list(text: str) -> list[int]:
 def setting(default, check, help: str, row=None, cli=None):
     """A SamplingParams field: `check(value, name)` -> the value to keep (or InputError naming
     `name`); `row`: the numpy dtype of its per-row device array (jaxspec.decoding.sampling), None
-    when the loop does not read it as one; `cli`: its command-line flag's argparse keywords
+    when the loop does not read it as one, or (dtype, a function from the value to the row's); `cli`: its command-line flag's argparse keywords
     (a type: {"type": float}; None: no flag)."""
     return dataclasses.field(default=default, metadata=dict(check=check, help=help, row=row, cli=cli))
 
@@ -101,6 +115,14 @@ class SamplingParams:
     seed: int | None = setting(None, _seed, "random seed; each prompt gets its own stream (default: "
                                "vLLM's none, a fresh random seed; generate and the CLI: 0)", cli={"type": int})
     max_tokens: int = setting(16, _max_tokens, "tokens to generate per prompt (>= 1)", cli={"type": int})
+    logprobs: int | None = setting(
+        None, lambda v, name: _optional_count(v, name, MAX_LOGPROBS),
+        f"log-probabilities per generated token: the chosen token's and the top N alternatives' (0-{MAX_LOGPROBS}; "
+        "default none)", cli={"type": int})
+    logprobs_mode: str = setting(
+        "raw_logprobs", _logprobs_mode, "raw_logprobs: the target's own, before temperature and filters (vLLM's "
+        "default); processed_logprobs: after them", row=(np.bool_, lambda mode: mode == "processed_logprobs"),
+        cli={"choices": LOGPROBS_MODES})
     stop: tuple[str, ...] = setting(
         (), _stop, "a string that ends a request when the output contains it; the text ends before it "
         "(finish_reason 'stop', stop_reason the string); repeat for several", cli={"action": "append"})
@@ -143,7 +165,8 @@ ALIASES = {"max_new_tokens": "max_tokens"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=128, seed=0)
 
 # The fields the decode loop reads per row, and the value that leaves each one off (a padding row's).
-ROW_FIELDS = {f.name: f.metadata["row"] for f in dataclasses.fields(SamplingParams) if f.metadata["row"]}
+ROW_FIELDS = {f.name: f.metadata["row"] if isinstance(f.metadata["row"], tuple) else (f.metadata["row"], None)
+              for f in dataclasses.fields(SamplingParams) if f.metadata["row"]}
 _NEUTRAL = SamplingParams(temperature=0.0)
 
 
@@ -151,9 +174,10 @@ def row_values(params: Sequence[SamplingParams], rows: int) -> dict[str, np.ndar
     """Per-row device arrays [rows] of each loop-read field, for `params` in rows 0.. and neutral
     values (greedy, filters off) in the padding rows past them."""
     out = {}
-    for name, dtype in ROW_FIELDS.items():
-        a = np.full(rows, getattr(_NEUTRAL, name), dtype)
-        a[: len(params)] = [getattr(p, name) for p in params]
+    for name, (dtype, convert) in ROW_FIELDS.items():
+        value = convert or (lambda v: v)
+        a = np.full(rows, value(getattr(_NEUTRAL, name)), dtype)
+        a[: len(params)] = [value(getattr(p, name)) for p in params]
         out[name] = a
     return out
 

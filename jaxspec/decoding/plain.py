@@ -8,6 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
 from jaxspec.decoding.sampling import row_keys, sample_tokens
 from jaxspec.decoding.state import (
     FINISH_PADDING,
@@ -30,11 +31,17 @@ class DecodeState:
     num_generated: jnp.ndarray  # [b] int32
     finish: jnp.ndarray  # [b] int32: RUNNING or a FINISH_* code
     stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
+    out_logprobs: jnp.ndarray  # [b, max_out, 1 + k] float32 (logprobs.py), [b, 0, 0] when not asked for
+    out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
 
 
-def _record(state: DecodeState, token: jnp.ndarray, batch: Batch, eos_ids) -> DecodeState:
-    """Appends one token to every running row."""
-    state, _ = commit_tokens(state, token[:, None], jnp.ones_like(token), batch, eos_ids)
+def _record(loop: "PlainLoop", state: DecodeState, logits, token: jnp.ndarray, batch: Batch) -> DecodeState:
+    """Appends one token (drawn from logits [b, v]) to every running row, with its logprobs when asked."""
+    per_token = None
+    if loop.logprobs >= 0:
+        lp, ids = token_logprobs(logits[:, None], token[:, None], batch.sampling, loop.logprobs)
+        per_token = {"out_logprobs": lp, "out_logprob_ids": ids}
+    state, _ = commit_tokens(state, token[:, None], jnp.ones_like(token), batch, loop.config.eos_token_ids, per_token)
     return state.replace(last_token=token)
 
 
@@ -43,8 +50,12 @@ class PlainLoop:
     """The target alone, one token per step. params: unused (no drafter)."""
 
     config: ModelConfig  # the target's
-    result_fields = ("out_tokens", "num_generated", "finish")
+    logprobs: int = -1  # top alternatives recorded per token (logprobs.py); -1: no logprobs
     slack = 0  # cache slots a step writes past a row's committed tokens and budget
+
+    @property
+    def result_fields(self) -> tuple[str, ...]:
+        return ("out_tokens", "num_generated", "finish") + (LOGPROB_FIELDS if self.logprobs >= 0 else ())
 
     def start(self, weights: Weights, params, batch: Batch, capacity: int, max_out: int,
               greedy_only: bool, attention: str = "xla") -> DecodeState:
@@ -60,9 +71,10 @@ class PlainLoop:
             num_generated=zeros,
             finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
             stop_state=zeros,
+            **logprob_buffers(b, max_out, self.logprobs),
         )
         first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
-        return _record(state, first, batch, c.eos_token_ids)
+        return _record(self, state, logits, first, batch)
 
     def fits(self, s: DecodeState, batch: Batch) -> jnp.ndarray:
         """[b]: a step has room in the cache (running rows only matter)."""
@@ -76,4 +88,4 @@ class PlainLoop:
         cache = cache.replace(lengths=cache.lengths + running)
         keys = row_keys(batch.seeds, s.num_generated)
         token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)
-        return _record(s.replace(cache=cache), token, batch, self.config.eos_token_ids)
+        return _record(self, s.replace(cache=cache), logits[:, 0], token, batch)

@@ -21,6 +21,7 @@ from flax import struct
 
 from jaxspec.decoding.acceptance import accept_greedy, accept_sampling
 from jaxspec.decoding.drafting import Drafter, Round
+from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
 from jaxspec.decoding.sampling import (
     SamplingArrays,
     filtered_logits,
@@ -58,6 +59,8 @@ class SpecState:
     num_generated: jnp.ndarray  # [b]
     finish: jnp.ndarray  # [b]
     stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
+    out_logprobs: jnp.ndarray  # [b, max_out, 1 + k] float32 (logprobs.py), [b, 0, 0] when not asked for
+    out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
 
@@ -74,7 +77,8 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     """The target's pass over the proposed nodes and the lossless acceptance.
     tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
     -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,
-    the path's features [b, D+1, F] at features_at (forward's), or None without)."""
+    the path's features [b, D+1, F] at features_at (forward's), or None without, and the logits
+    [b, t, v] of every node)."""
     t, D = plan.size, plan.max_depth
     is_chain = plan.parents == chain(t - 1)
     cache = cache.replace(lengths=n - 1)
@@ -107,7 +111,7 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     j = jnp.arange(D + 1)[None, :]
     emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
     path_features = jnp.take_along_axis(features[0], path[:, :, None], axis=1) if features else None
-    return accepted, emitted, path, cache, path_features
+    return accepted, emitted, path, cache, path_features, logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +121,19 @@ class SpeculativeLoop:
 
     config: ModelConfig  # the target's
     drafter: Drafter
-    result_fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position")
+    logprobs: int = -1  # top alternatives recorded per token (logprobs.py); -1: no logprobs
+
+    @property
+    def result_fields(self) -> tuple[str, ...]:
+        fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position")
+        return fields + (LOGPROB_FIELDS if self.logprobs >= 0 else ())
+
+    def _per_token(self, logits, chosen, batch: Batch) -> dict | None:
+        """The logprob buffers' values for tokens `chosen` [b, m] drawn from logits [b, m, v]."""
+        if self.logprobs < 0:
+            return None
+        lp, ids = token_logprobs(logits, chosen, batch.sampling, self.logprobs)
+        return {"out_logprobs": lp, "out_logprob_ids": ids}
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -152,8 +168,10 @@ class SpeculativeLoop:
             stop_state=zeros,
             rounds=zeros,
             accepted_per_position=jnp.zeros((b, D), jnp.int32),
+            **logprob_buffers(b, max_out, self.logprobs),
         )
-        return commit_tokens(state, first[:, None], jnp.ones_like(first), batch, c.eos_token_ids)[0]
+        return commit_tokens(state, first[:, None], jnp.ones_like(first), batch, c.eos_token_ids,
+                             self._per_token(logits[:, None], first[:, None], batch))[0]
 
     def fits(self, s: SpecState, batch: Batch) -> jnp.ndarray:
         """[b]: a round has room (it writes the tree's t nodes at slots n - 1 .. n + t - 2)."""
@@ -172,10 +190,12 @@ class SpeculativeLoop:
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
         r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
         tokens, q, draft = drafter.propose(params, s.draft, r)
-        accepted, emitted, path, t_cache, features = verify(
+        accepted, emitted, path, t_cache, features, logits = verify(
             weights, c, plan, s.target_cache, tokens, q, n, keys[:, t - 1 :], batch.sampling, greedy_only, attention,
             self.feature_layers)
-        s2, kept = commit_tokens(s, emitted, accepted + 1, batch, c.eos_token_ids)
+        # emitted[:, j] was drawn from the verify pass's logits at the path's node j
+        per_token = self._per_token(jnp.take_along_axis(logits, path[:, :, None], axis=1), emitted, batch)
+        s2, kept = commit_tokens(s, emitted, accepted + 1, batch, c.eos_token_ids, per_token)
         extra = {"features": features} if self.feature_layers else {}
         draft = drafter.commit(params, draft, r, path, emitted, kept, **extra)
         # The last two committed tokens seed the next round.

@@ -60,7 +60,7 @@ def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, 
     return (logits[:, 0], cache.replace(lengths=batch.prompt_lens), *features)
 
 
-def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids):
+def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids, per_token: dict | None = None):
     """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS,
     a stop token or the token that completes a stop string (so a stop inside an accepted chunk
     ends the row there) and at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish/stop_state updated,
@@ -78,9 +78,11 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     # Positions past `kept` point outside the buffer and are dropped.
     idx = jnp.where(j < kept[:, None], state.num_generated[:, None] + j, state.out_tokens.shape[1])
     out = state.out_tokens.at[rows, idx].set(new, mode="drop")
+    # per_token: more state buffers [b, max_out, ...] written beside the tokens (their logprobs)
+    written = {name: getattr(state, name).at[rows, idx].set(v, mode="drop") for name, v in (per_token or {}).items()}
     n = state.num_generated + kept
     finish = jnp.where(running & has_stop & (first < kept), FINISH_STOP, state.finish)
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
     stop_state = jnp.where(kept > 0, jnp.take_along_axis(stop_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
                            state.stop_state)
-    return state.replace(out_tokens=out, num_generated=n, finish=finish, stop_state=stop_state), kept
+    return state.replace(out_tokens=out, num_generated=n, finish=finish, stop_state=stop_state, **written), kept

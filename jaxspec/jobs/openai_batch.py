@@ -10,6 +10,7 @@ reads such lines into Records and writes their answers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 
@@ -36,7 +37,8 @@ BODY_SETTINGS = {
     "stop_token_ids": "stop_token_ids",
 }
 # Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
-# error line naming the key). Supporting one is moving it into BODY_SETTINGS.
+# error line naming the key). Supporting one is moving it into BODY_SETTINGS (stop: "stop"); n and
+# logprobs / top_logprobs also need their choices and logprobs written by ok_line.
 NOT_YET = {
     "stop": (None, []),
     "n": (None, 1),
@@ -71,11 +73,11 @@ def parse(obj: dict | None, line: int, error: str | None = None) -> records.Reco
         return records.Record(line, unnamed, unnamed, None, error, openai=True, error_code="invalid_json_line")
     cid = obj.get("custom_id")
     if cid is None:
-        return records.Record(line, unnamed, unnamed, obj, "custom_id is missing: each request needs a \"custom_id\" (a string)",
-                      openai=True, error_code="missing_custom_id")
+        return records.Record(line, unnamed, unnamed, obj, 'custom_id is missing: each request needs a "custom_id" '
+                              "(a string)", openai=True, error_code="missing_custom_id")
     if not isinstance(cid, str) or not cid:
-        return records.Record(line, unnamed, unnamed, obj, f"custom_id must be a non-empty string; got {cid!r}", openai=True,
-                      error_code="invalid_custom_id")
+        return records.Record(line, unnamed, unnamed, obj, f"custom_id must be a non-empty string; got {cid!r}",
+                              openai=True, error_code="invalid_custom_id")
     return records.Record(line, cid, cid, obj, openai=True)
 
 
@@ -88,7 +90,8 @@ def sampling_of(body: dict, defaults: SamplingParams) -> SamplingParams:
     """The body's settings (BODY_SETTINGS) over the job's defaults; errors name the body key."""
     for key, offs in NOT_YET.items():
         if key in body and not _off(body[key], offs):
-            raise RequestError(f"body.{key} is not supported yet (got {body[key]!r}); leave it out", "unsupported_parameter")
+            raise RequestError(f"body.{key} is not supported yet (got {json.dumps(body[key])}); leave it out",
+                               "unsupported_parameter")
     checks = {f.name: f.metadata["check"] for f in dataclasses.fields(SamplingParams)}
     given = {}
     for key, field in BODY_SETTINGS.items():

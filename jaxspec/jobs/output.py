@@ -120,4 +120,6 @@ def ok_line(record: Record, completion, method: str, model: str = "") -> dict:
         **_head(record), "text": completion.text, "token_ids": completion.token_ids,
         "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason, "method": method,
         "stats": completion.stats.as_dict(),
+        **({"logprobs": [{str(t): lp for t, lp in entry.items()} for entry in completion.logprobs]}
+           if completion.logprobs is not None else {}),
     }

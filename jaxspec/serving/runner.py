@@ -3,6 +3,7 @@ slots refilled as rows finish (continuous); returns Completions with the call's 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from jaxspec.decoding.method import DecodeMethod
@@ -43,6 +44,9 @@ def run(
     if isinstance(draft, (Model, EagleHead)):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
     loop, params = method.loop(target, draft)
+    asked = [r.sampling.logprobs for r in requests if r.sampling.logprobs is not None]
+    if asked:  # the loop records the most alternatives any request asks for (one graph for the call)
+        loop = dataclasses.replace(loop, logprobs=max(asked))
     start, before = time.perf_counter(), graphs.counts()
     if scheduler == "static":
         results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done,

@@ -84,6 +84,9 @@ class Completion:
     finish_reason: str  # "stop" or "length"
     stats: RequestStats
     stop_reason: int | str | None = None
+    # per generated token, {token id: log-probability} of the chosen token and the top
+    # SamplingParams.logprobs alternatives (vLLM's layout); None when not asked for
+    logprobs: list[dict[int, float]] | None = None
 
 
 class Completions(list):
@@ -124,7 +127,17 @@ def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[
     stop_reason = ids[-1] if by_id else None
     if reason == "stop" and not by_id and ids[-1] not in eos_ids and stops.stop and text is not None:
         text, stop_reason = _before_stop(text, stops.stop)
-    return Completion(text, ids, reason, _request_stats(request, out, row), stop_reason)
+    return Completion(text, ids, reason, _request_stats(request, out, row), stop_reason, _logprobs(request, out, row))
+
+
+def _logprobs(request: Request, out: dict, row: int) -> list[dict[int, float]] | None:
+    """Row `row`'s recorded logprobs, each token's chosen entry and its first `logprobs` alternatives."""
+    k = request.sampling.logprobs
+    if k is None:
+        return None
+    n = int(out["num_generated"][row])
+    ids, lps = out["out_logprob_ids"][row, :n, : 1 + k].tolist(), out["out_logprobs"][row, :n, : 1 + k].tolist()
+    return [dict(zip(i, lp)) for i, lp in zip(ids, lps)]
 
 
 def _before_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
