@@ -69,7 +69,10 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     m = new.shape[1]
     j = jnp.arange(m)[None, :]
     eos_hit = (j < count[:, None]) & is_stop(new, eos_ids, batch.stop_ids)
-    first_string, stop_states = step_stops(batch.stop_tables.value, batch.stop_sets, state.stop_state, new, count)
+    if batch.stop_tables.value.shape[1] > 1:  # some row has stop strings (a static shape: else no work)
+        first_string, stop_states = step_stops(batch.stop_tables.value, batch.stop_sets, state.stop_state, new, count)
+    else:
+        first_string, stop_states = jnp.full(count.shape, m, jnp.int32), jnp.zeros(new.shape, jnp.int32)
     first = jnp.minimum(jnp.where(jnp.any(eos_hit, axis=1), jnp.argmax(eos_hit, axis=1), m), first_string)
     has_stop = first < m
     kept = jnp.where(has_stop, first + 1, count)
