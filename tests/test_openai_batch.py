@@ -32,7 +32,9 @@ LINES = [
     request("cmpl-1", "/v1/completions", {"prompt": [PROMPT], **SAMPLED, "stop": None, "n": 1, "logprobs": None,
                                           "presence_penalty": 0, "frequency_penalty": 0.0}),
     '{"custom_id": "broken", "method": "POST", ',
-    request("stop-1", "/v1/completions", {"prompt": PROMPT, "stop": ["\n"]}),
+    request("stop-1", "/v1/completions", {"prompt": PROMPT, "stop": ["\n", "e"], "logprobs": 2}),
+    request("lp-chat", "/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}),
+    request("lp-bad", "/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}),
     request("emb-1", "/v1/embeddings", {"input": "x"}),
     {"method": "POST", "url": "/v1/completions", "body": {"prompt": PROMPT}},
     request("hot-1", "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
@@ -42,9 +44,9 @@ LINES = [
 # custom_id (or the id of a line without one) -> (error code, a phrase of its message)
 ERRORS = {
     "line:3": ("invalid_json_line", "line 3 is not valid JSON"),
-    "stop-1": ("unsupported_parameter", "body.stop is not supported yet"),
+    "lp-bad": ("invalid_request", "body.top_logprobs needs body.logprobs: true"),
     "emb-1": ("invalid_url", "url must be /v1/chat/completions or /v1/completions"),
-    "line:6": ("missing_custom_id", "custom_id is missing"),
+    "line:8": ("missing_custom_id", "custom_id is missing"),
     "hot-1": ("invalid_request", "body.temperature must be a finite number >= 0"),
     "n-1": ("unsupported_parameter", "body.n is not supported yet"),
 }
@@ -84,7 +86,7 @@ def keyed(out) -> dict:
 
 def test_each_request_answered_once_as_generate_would(job, chat_model):
     got = keyed(job[1])
-    assert set(got) == {"chat-1", "cmpl-1", "own-1", *ERRORS}
+    assert set(got) == {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", *ERRORS}
     target = jaxspec.load(chat_model, dtype="float32")
     tok = target.tokenizer
     chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
@@ -116,6 +118,32 @@ def test_each_request_answered_once_as_generate_would(job, chat_model):
     assert got["own-1"]["token_ids"] == ref_own.token_ids and "custom_id" not in got["own-1"]
 
 
+def test_stop_strings_and_logprobs_in_openai_layout(job, chat_model):
+    got = keyed(job[1])
+    target = jaxspec.load(chat_model, dtype="float32")
+    tok = target.tokenizer
+    ref = jaxspec.generate([PROMPT], target, max_new_tokens=MAX_NEW, stop=[["\n", "e"]], logprobs=2)[0]
+    choice = got["stop-1"]["response"]["body"]["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (ref.text, ref.finish_reason,
+                                                                                 ref.stop_reason)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ref.token_ids]
+    # float32 in other batch shapes than generate's: equal to 1e-4
+    assert lp["token_logprobs"] == pytest.approx([e[t] for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
+    assert [len(x) for x in lp["top_logprobs"]] == [2] * len(ref.token_ids)
+    chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    ref = jaxspec.generate([chat_ids], target, max_new_tokens=MAX_NEW, logprobs=2)[0]
+    content = got["lp-chat"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([e[t] for t, e in zip(ref.token_ids, ref.logprobs)],
+                                                             abs=1e-4)
+    for c, e in zip(content, ref.logprobs):
+        top = sorted(e.items(), key=lambda x: -x[1])[:2]
+        assert [x["token"] for x in c["top_logprobs"]] == [tok.decode([a]) for a, _ in top]
+        assert [x["logprob"] for x in c["top_logprobs"]] == pytest.approx([v for _, v in top], abs=1e-4)
+        assert bytes(c["bytes"]).decode() == c["token"]
+
+
 def test_bad_requests_get_error_lines(job):
     got = keyed(job[1])
     for k, (code, phrase) in ERRORS.items():
@@ -129,12 +157,12 @@ def test_summary_and_metrics_log_count_the_requests(job):
     out = job[1]
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     t = summary["totals"]
-    assert (t["records"], t["ok"], t["failed"]) == (len(LINES), 3, len(ERRORS)) and summary["missing"] == 0
+    assert (t["records"], t["ok"], t["failed"]) == (len(LINES), 5, len(ERRORS)) and summary["missing"] == 0
     got = keyed(out)
-    usage = sum(got[k]["response"]["body"]["usage"]["completion_tokens"] for k in ("chat-1", "cmpl-1"))
+    usage = sum(got[k]["response"]["body"]["usage"]["completion_tokens"] for k in ("chat-1", "cmpl-1", "stop-1", "lp-chat"))
     assert t["new_tokens"] == usage + len(got["own-1"]["token_ids"])
     batches = [e for e in read_log(out.with_suffix(".metrics.jsonl")) if e["event"] == "batch"]
-    assert sum(e["records"] for e in batches) == 3
+    assert sum(e["records"] for e in batches) == 5
 
 
 def test_rerun_answers_nothing_twice(job):
@@ -150,7 +178,7 @@ def test_rerun_answers_nothing_twice(job):
     assert cli.main(argv) == 0
     assert out.read_bytes().startswith(kept)
     got = keyed(out)
-    assert set(got) == {"chat-1", "cmpl-1", "own-1", *ERRORS}
+    assert set(got) == {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", *ERRORS}
     old = json.loads(lines[chat])["response"]["body"]
     assert got["chat-1"]["response"]["body"]["choices"] == old["choices"]
     summary = json.loads(out.with_suffix(".summary.json").read_text())

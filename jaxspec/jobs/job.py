@@ -212,7 +212,7 @@ class _Job:
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str, worker=None) -> None:
         """Writes a finished chunk durably, then logs and shows it."""
         state, method = self.state, method_fields(self.method)
-        written = [ok_line(r, c, method["method"], self.target.name) for r, c in zip(chunk, outs)]
+        written = [ok_line(r, c, method["method"], self.target) for r, c in zip(chunk, outs)]
         self.writer.write(written)
         lines = [as_result(x) for x in written]
         t = report.totals(lines)

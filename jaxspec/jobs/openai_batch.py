@@ -15,9 +15,8 @@ import time
 import uuid
 
 from jaxspec.errors import InputError
-from jaxspec.jobs import records  # (which imports this module: its names are read at call time)
 from jaxspec.sampling_params import SamplingParams
-from jaxspec.serving.requests import Request, encode_prompt, make_request
+from jaxspec.serving.requests import Request, encode_prompt, make_request, render_messages
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
@@ -34,16 +33,14 @@ BODY_SETTINGS = {
     "top_k": "top_k",  # vLLM's extra body fields
     "min_p": "min_p",
     "seed": "seed",
+    "stop": "stop",
     "stop_token_ids": "stop_token_ids",
 }
 # Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
-# error line naming the key). Supporting one is moving it into BODY_SETTINGS (stop: "stop"); n and
-# logprobs / top_logprobs also need their choices and logprobs written by ok_line.
+# error line naming the key). Supporting one is moving it into BODY_SETTINGS; n also needs its
+# choices written by ok_line. logprobs / top_logprobs are read by _logprobs.
 NOT_YET = {
-    "stop": (None, []),
     "n": (None, 1),
-    "logprobs": (None, False),  # chat: a bool; completions: a count (0 still asks for logprobs)
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
@@ -65,20 +62,20 @@ def is_request(obj: dict) -> bool:
     return "custom_id" in obj or ("id" not in obj and ("body" in obj or "url" in obj))
 
 
-def parse(obj: dict | None, line: int, error: str | None = None) -> records.Record:
-    """An OpenAI request line -> Record keyed by custom_id; a line without a usable custom_id (or
-    unreadable, obj None, `error` saying why) is keyed "line:N", as the job's other unnamed lines."""
-    unnamed = f"line:{line}"
+def parse(obj: dict | None, line: int, error: str | None = None) -> dict:
+    """An OpenAI request line -> the fields of its Record (jaxspec.jobs.records), keyed by
+    custom_id; a line without a usable custom_id (or unreadable, obj None, `error` saying why) is
+    keyed "line:N", as the job's other unnamed lines."""
+    unnamed = dict(line=line, key=f"line:{line}", id=f"line:{line}", data=obj)
     if obj is None:
-        return records.Record(line, unnamed, unnamed, None, error, openai=True, error_code="invalid_json_line")
+        return dict(unnamed, error=error, error_code="invalid_json_line")
     cid = obj.get("custom_id")
     if cid is None:
-        return records.Record(line, unnamed, unnamed, obj, 'custom_id is missing: each request needs a "custom_id" '
-                              "(a string)", openai=True, error_code="missing_custom_id")
+        return dict(unnamed, error='custom_id is missing: each request needs a "custom_id" (a string)',
+                    error_code="missing_custom_id")
     if not isinstance(cid, str) or not cid:
-        return records.Record(line, unnamed, unnamed, obj, f"custom_id must be a non-empty string; got {cid!r}",
-                              openai=True, error_code="invalid_custom_id")
-    return records.Record(line, cid, cid, obj, openai=True)
+        return dict(unnamed, error=f"custom_id must be a non-empty string; got {cid!r}", error_code="invalid_custom_id")
+    return dict(line=line, key=cid, id=cid, data=obj)
 
 
 def _off(value, offs) -> bool:
@@ -86,7 +83,7 @@ def _off(value, offs) -> bool:
     return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in offs)
 
 
-def sampling_of(body: dict, defaults: SamplingParams) -> SamplingParams:
+def sampling_of(body: dict, url: str, defaults: SamplingParams) -> SamplingParams:
     """The body's settings (BODY_SETTINGS) over the job's defaults; errors name the body key."""
     for key, offs in NOT_YET.items():
         if key in body and not _off(body[key], offs):
@@ -97,7 +94,23 @@ def sampling_of(body: dict, defaults: SamplingParams) -> SamplingParams:
     for key, field in BODY_SETTINGS.items():
         if body.get(key) is not None:
             given[field] = checks[field](body[key], f"body.{key}")
+    given["logprobs"] = _logprobs(body, url, checks["logprobs"])
     return dataclasses.replace(defaults, **given)
+
+
+def _logprobs(body: dict, url: str, check):
+    """SamplingParams.logprobs from the body: chat's `logprobs` (a bool) with `top_logprobs`
+    alternatives, or completions' `logprobs` (the count of alternatives); None: not asked for."""
+    if url == CHAT:
+        asked = body.get("logprobs")
+        if asked not in (None, True, False):
+            raise RequestError(f"body.logprobs must be true or false for {CHAT}; got {json.dumps(asked)}")
+        top = body.get("top_logprobs")
+        if top is not None and not asked:
+            raise RequestError("body.top_logprobs needs body.logprobs: true")
+        return check(top or 0, "body.top_logprobs") if asked else None
+    count = body.get("logprobs")
+    return None if count is None else check(count, "body.logprobs")
 
 
 def _text(content, where: str):
@@ -119,7 +132,7 @@ def _prompt(body: dict, url: str, target):
             messages = [{**m, "content": _text(m.get("content"), f"body.messages[{i}].content")}
                         if isinstance(m, dict) else m for i, m in enumerate(messages)]
         try:
-            return records.render_messages(messages, target.tokenizer, target.name), "body.messages"
+            return render_messages(messages, target.tokenizer, target.name), "body.messages"
         except InputError as e:
             raise RequestError(f"body.{e}") from None
     prompt = body.get("prompt")
@@ -142,12 +155,12 @@ def build_request(data: dict, target, defaults: SamplingParams) -> Request:
     body = data.get("body")
     if not isinstance(body, dict):
         raise RequestError(f"body must be an object; got {body!r}")
-    sampling = sampling_of(body, defaults)
+    sampling = sampling_of(body, url, defaults)
     prompt, field = _prompt(body, url, target)
     c = target.config
     try:
         return make_request(encode_prompt(prompt, target.tokenizer, field), sampling, c.vocab_size,
-                            c.max_position_embeddings, field)
+                            c.max_position_embeddings, field, target.tokenizer)
     except InputError as e:
         raise RequestError(str(e)) from None
 
@@ -156,15 +169,16 @@ def _id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def error_line(record: records.Record) -> dict:
+def error_line(record) -> dict:
     """A request that could not be served; a line without a usable custom_id keeps the id "line:N"."""
     named = record.error_code not in UNNAMED
     return {"id": _id("batch_req_") if named else record.id, "custom_id": record.id if named else None,
             "response": None, "error": {"code": record.error_code or "invalid_request", "message": record.error}}
 
 
-def ok_line(record: records.Record, completion, method: str, model: str) -> dict:
-    """The answer in the OpenAI batch output format; jaxspec's own fields under body["jaxspec"]."""
+def ok_line(record, completion, method: str, model) -> dict:
+    """The answer in the OpenAI batch output format; jaxspec's own fields under body["jaxspec"].
+    model: the target (its name, and its tokenizer for the logprobs' token strings)."""
     reason = FINISH_REASONS.get(completion.finish_reason, completion.finish_reason)
     stop_reason = getattr(completion, "stop_reason", None)
     if record.data["url"] == CHAT:
@@ -179,13 +193,35 @@ def ok_line(record: records.Record, completion, method: str, model: str) -> dict
     if record.prompt_version is not None:
         ours["prompt_version"] = record.prompt_version
     body = {
-        **head, "created": int(time.time()), "model": model,
-        "choices": [{**choice, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}],
+        **head, "created": int(time.time()), "model": model.name,
+        "choices": [{**choice, "logprobs": _logprobs_out(record.data["url"], completion, record.request.sampling.logprobs,
+                                               model.tokenizer),
+                     "finish_reason": reason, "stop_reason": stop_reason}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
         "jaxspec": ours,
     }
     return {"id": _id("batch_req_"), "custom_id": record.id,
             "response": {"status_code": 200, "request_id": _id("req_"), "body": body}, "error": None}
+
+
+def _logprobs_out(url: str, completion, k: int | None, tokenizer) -> dict | None:
+    """Completion.logprobs in OpenAI's layout: chat's `content` list of {token, logprob, bytes,
+    top_logprobs}, or completions' parallel lists (tokens, token_logprobs, top_logprobs,
+    text_offset); k: the alternatives asked for (an entry holds them and the chosen token)."""
+    if completion.logprobs is None:
+        return None
+    text = lambda t: tokenizer.decode([t]) if tokenizer else str(t)  # noqa: E731
+    chosen = completion.token_ids
+    tops = [sorted(entry.items(), key=lambda x: -x[1])[:k] for entry in completion.logprobs]
+    if url == CHAT:
+        def item(t, lp):
+            return {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+        return {"content": [{**item(t, entry[t]), "top_logprobs": [item(a, lp) for a, lp in top]}
+                            for t, entry, top in zip(chosen, completion.logprobs, tops)]}
+    tokens = [text(t) for t in chosen]
+    offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [entry[t] for t, entry in zip(chosen, completion.logprobs)],
+            "top_logprobs": [{text(a): lp for a, lp in top} for top in tops], "text_offset": offsets}
 
 
 def is_answer(line: dict) -> bool:

@@ -113,7 +113,8 @@ def error_line(record: Record) -> dict:
     return {**_head(record), "error": record.error}
 
 
-def ok_line(record: Record, completion, method: str, model: str = "") -> dict:
+def ok_line(record: Record, completion, method: str, model=None) -> dict:
+    """A served record's line; model: the target (an OpenAI answer names it and decodes its logprobs' tokens)."""
     if record.openai:
         return openai_batch.ok_line(record, completion, method, model)
     return {

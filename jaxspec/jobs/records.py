@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.jobs import openai_batch  # OpenAI batch request lines (it reads this module's Record)
+from jaxspec.jobs import openai_batch  # OpenAI batch request lines
 from jaxspec.model.loading import Model
 from jaxspec.sampling_params import ALIASES, SamplingParams
-from jaxspec.serving.requests import Request, encode_prompt, make_request
+from jaxspec.serving.requests import Request, encode_prompt, make_request, render_messages
 
 # A record's own sampling settings: SamplingParams' fields (and their aliases), over the job's.
 SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)) + tuple(ALIASES)
@@ -56,7 +56,7 @@ def parse_line(raw: bytes, line: int) -> Record:
     if not isinstance(obj, dict):
         return bad(f"line {line} is a JSON {type(obj).__name__}, not an object")
     if openai_batch.is_request(obj):
-        return openai_batch.parse(obj, line)
+        return Record(**openai_batch.parse(obj, line), openai=True)
     rid = obj.get("id")
     if rid is None:
         return Record(line, unnamed, unnamed, obj, 'id is missing: each record needs an "id" (a string or an integer)')
@@ -69,7 +69,7 @@ def read_input(path: Path) -> list[Record]:
     with open(path, "rb") as f:
         records = [parse_line(raw, n) for n, raw in enumerate(f, 1) if raw.strip()]
     if any(r.openai for r in records):  # an OpenAI batch file: its unnamed lines are answered in its format
-        records = [openai_batch.parse(r.data, r.line, r.error) if r.key == f"line:{r.line}" and not r.openai
+        records = [Record(**openai_batch.parse(r.data, r.line, r.error), openai=True) if r.key == f"line:{r.line}" and not r.openai
                    and (r.data is None or "id" not in r.data) else r for r in records]
     return records
 
@@ -84,24 +84,6 @@ def check_unique(records: list[Record], path: Path) -> None:
         listed = "; ".join(f"{k!r} on lines {', '.join(map(str, v))}" for k, v in dups[:MAX_LISTED_DUPLICATES])
         more = f"; and {len(dups) - MAX_LISTED_DUPLICATES} more" if len(dups) > MAX_LISTED_DUPLICATES else ""
         raise BatchError(f"{path}: {len(dups)} duplicate id(s), each id must appear once: {listed}{more}")
-
-
-def render_messages(messages, tokenizer, model_name: str) -> list[int]:
-    """A chat, rendered with the tokenizer's chat template (with the assistant turn opened)."""
-    if not isinstance(messages, list) or not messages:
-        raise InputError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError(f'messages[{i}] must be an object with string "role" and "content"')
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise InputError(
-            f"messages need a chat template but the tokenizer of {model_name!r} has none; give a \"prompt\" instead"
-        )
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # template errors (e.g. roles out of order) are the record's fault
-        raise InputError(f"messages could not be rendered with the chat template: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
 
 def build_request(data: dict, target: Model, defaults: SamplingParams) -> Request:

@@ -85,3 +85,21 @@ def make_request(prompt_ids, sampling: SamplingParams, vocab_size: int, context:
         if t >= vocab_size:
             raise InputError(f"stop_token_ids contains token id {t} outside the vocabulary [0, {vocab_size})")
     return Request(ids, sampling)
+
+
+def render_messages(messages, tokenizer, model_name: str) -> list[int]:
+    """A chat, rendered with the tokenizer's chat template (with the assistant turn opened)."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f'messages[{i}] must be an object with string "role" and "content"')
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            f"messages need a chat template but the tokenizer of {model_name!r} has none; give a \"prompt\" instead"
+        )
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # template errors (e.g. roles out of order) are the record's fault
+        raise InputError(f"messages could not be rendered with the chat template: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
