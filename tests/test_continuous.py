@@ -16,6 +16,7 @@ from jaxspec.bench.workloads import lognormal_budgets, write_humaneval_jsonl
 from jaxspec.decoding.loop import advance
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.plain import PlainLoop
+from jaxspec.serving.requests import Request
 from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -63,7 +64,7 @@ def test_refill_policy_and_sampling_do_not_change_outputs(real_pair, requests_):
         assert _same(outs, static)
     with pytest.raises(InputError, match="admit_order must be one of longest, arrival; got 'fifo'"):
         run(target, mixed, 4, scheduler="continuous", admit_order="fifo")
-    reseeded = dataclasses.replace(mixed[1], seed=7)  # the sampled rows really sample
+    reseeded = Request(mixed[1].token_ids, dataclasses.replace(mixed[1].sampling, seed=7))  # the sampled rows really sample
     assert static[1].token_ids != run(target, [reseeded], 1, k2, draft)[0].token_ids
 
 

@@ -137,8 +137,8 @@ def test_one_compiled_loop(real_pair):
     (dict(draft="ngrams"), 'draft must be a model from jaxspec.load, "ngram" or None'),
     (dict(draft="ngram", ngram_min=3, ngram_max=2), r"ngram_min \(3\) must not exceed ngram_max \(2\)"),
     (dict(draft="ngram", ngram_max=0), r"ngram_max must be an integer in \[1, 16\]"),
-    (dict(draft="ngram", ngram_branches=8, num_draft_tokens=8), "must be at most 63; got 8 x 8"),
-    (dict(draft="ngram", tree="sparse"), "n-gram lookup builds its own"),
+    (dict(draft="ngram", ngram_branches=8, num_draft_tokens=8), "a round drafts at most 63 tokens; ngram K=8 x8 drafts 64"),
+    (dict(draft="ngram", tree="sparse"), "tree is for a draft model or an EAGLE-3 head; ngram builds its own"),
     (dict(draft="ngram", num_draft_tokens=0), r"num_draft_tokens must be an integer in \[1, 32\]"),
 ])
 def test_bad_settings_are_refused(real_pair, kw, match):

@@ -44,7 +44,7 @@ def test_a_static_job_compiles_each_shape_once_and_up_front(tmp_path):
     src = write_humaneval_jsonl(tmp_path / "in.jsonl", limit=24, lognormal=dict(median=10, cap=40))
     summary = run_job(src, tmp_path / "out.jsonl", target, settings=JobSettings(
         batch_size=4, scheduler="static", plot_path=None, metrics_log=None, progress=False))
-    records = [prepare(r, target, JobSettings().defaults) for r in read_input(src)]
+    records = [prepare(r, target, JobSettings().sampling) for r in read_input(src)]
     chunks = plan_chunks(records, 4)
     shapes = set(batch_shapes([[r.request for r in c] for c in chunks], slack=0))
     g = summary["this_run"]["graph_cache"]
