@@ -115,6 +115,17 @@ class SamplingParams:
     seed: int | None = setting(None, _seed, "random seed; each prompt gets its own stream (default: "
                                "vLLM's none, a fresh random seed; generate and the CLI: 0)", cli={"type": int})
     max_tokens: int = setting(16, _max_tokens, "tokens to generate per prompt (>= 1)", cli={"type": int})
+    presence_penalty: float = setting(
+        0.0, lambda v, name: check_number(v, name, "in [-2, 2] (0 = off)", lambda x: -2 <= x <= 2),
+        "subtracted from the logit of every token the output holds (OpenAI's rule)", np.float32, {"type": float})
+    frequency_penalty: float = setting(
+        0.0, lambda v, name: check_number(v, name, "in [-2, 2] (0 = off)", lambda x: -2 <= x <= 2),
+        "subtracted from a token's logit once per time the output holds it (OpenAI's rule)", np.float32,
+        {"type": float})
+    repetition_penalty: float = setting(
+        1.0, lambda v, name: check_number(v, name, "a number > 0 (1 = off)", lambda x: x > 0),
+        "divides the positive logits, and multiplies the negative ones, of tokens in the prompt or the output "
+        "(HF's rule; 1 = off)", np.float32, {"type": float})
     logprobs: int | None = setting(
         None, lambda v, name: _optional_count(v, name, MAX_LOGPROBS),
         f"log-probabilities per generated token: the chosen token's and the top N alternatives' (0-{MAX_LOGPROBS}; "

@@ -49,6 +49,17 @@ def pair(tmp_path_factory):
     return target, draft
 
 
+def penalize(logits, tokens, s: SamplingParams):
+    """logits [n, V] after the prompt + generated tokens [n, L]: vLLM's penalties, written out here
+    (repetition over prompt and output, HF's rule; presence and frequency over the output, OpenAI's)."""
+    vocab = jnp.arange(logits.shape[-1])
+    counts = jnp.sum(tokens[:, len(PROMPT):, None] == vocab, axis=1)
+    seen = (counts > 0) | jnp.any(tokens[:, : len(PROMPT), None] == vocab, axis=1)
+    r = s.repetition_penalty
+    x = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return x - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
+
+
 def exact_joint(target, s: SamplingParams) -> np.ndarray:
     """P(token 2 = a, token 3 = b) [VOCAB, VOCAB] under the target's own sampling."""
     params = SamplingArrays.of([s])
@@ -57,7 +68,8 @@ def exact_joint(target, s: SamplingParams) -> np.ndarray:
     def last_probs(weights, tokens):
         cache = KVCache.create(target.config, tokens.shape[0], tokens.shape[1], target.dtype)
         logits, _ = forward(weights, target.config, tokens, cache)
-        return jax.vmap(lambda l: target_probs(l[None], params)[0])(logits[:, -1])
+        last = penalize(logits[:, -1], tokens, s)
+        return jax.vmap(lambda l: target_probs(l[None], params)[0])(last)
 
     def probs_after(prefixes: np.ndarray) -> np.ndarray:
         return np.asarray(last_probs(target.weights, jnp.asarray(prefixes, jnp.int32)), np.float64)
@@ -100,6 +112,30 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
     probs = exact_joint(target, setting)
     counts = sampled_joint(target, draft, setting)
     assert chi2_pvalue(counts, probs) > 1e-4
+
+
+PENALIZED = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.6, presence_penalty=0.5,
+                           frequency_penalty=0.4)
+
+
+@pytest.mark.parametrize("tree", [None, (-1, 0, 0, 1)], ids=["chain", "tree"])
+def test_penalties_and_min_p_keep_speculative_sampling_exact(pair, tree):
+    """The penalties read the drafted tokens before each position along its path: the joint of
+    tokens 2 and 3 (whose penalties depend on tokens 1 and 2) is still the target's."""
+    target, draft = pair
+    assert chi2_pvalue(sampled_joint(target, draft, PENALIZED, tree), exact_joint(target, PENALIZED)) > 1e-4
+
+
+def test_the_test_sees_penalties_left_out(pair):
+    """Without the penalties the joint differs from the penalized one: the test above could fail."""
+    target, draft = pair
+    plain = dataclasses.replace(PENALIZED, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    counts, probs = sampled_joint(target, draft, plain), exact_joint(target, PENALIZED)
+    try:
+        pvalue = chi2_pvalue(counts, probs)
+    except AssertionError:  # it sampled pairs that min_p excludes after the penalties: also caught
+        return
+    assert pvalue < 1e-6
 
 
 def sampled_with(module, name: str, replacement, *args) -> np.ndarray:

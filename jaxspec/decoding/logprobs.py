@@ -13,11 +13,12 @@ import jax.numpy as jnp
 from jaxspec.decoding.sampling import SamplingArrays, filtered_logits
 
 
-def token_logprobs(logits: jnp.ndarray, chosen: jnp.ndarray, params: SamplingArrays, k: int):
+def token_logprobs(logits: jnp.ndarray, chosen: jnp.ndarray, params: SamplingArrays, k: int, penalized=None):
     """logits [b, m, v], chosen [b, m] -> (log-probabilities [b, m, 1 + k] float32, their token ids
-    [b, m, 1 + k] int32): the chosen token first, then the k most likely, most likely first."""
+    [b, m, 1 + k] int32): the chosen token first, then the k most likely, most likely first.
+    penalized: the logits after the penalties, where a row has them (processed logprobs start there)."""
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    processed = jax.nn.log_softmax(filtered_logits(logits, params), axis=-1)
+    processed = jax.nn.log_softmax(filtered_logits(logits if penalized is None else penalized, params), axis=-1)
     x = jnp.where(params.logprobs_mode[:, None, None], processed, raw)
     chosen_lp = jnp.take_along_axis(x, chosen[..., None], axis=-1)
     top_lp, top_ids = jax.lax.top_k(x, k)

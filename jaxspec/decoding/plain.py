@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
+from jaxspec.decoding.penalties import penalized, penalty_buffers, prompt_tokens
 from jaxspec.decoding.sampling import row_keys, sample_tokens
 from jaxspec.decoding.state import (
     FINISH_PADDING,
@@ -33,13 +34,16 @@ class DecodeState:
     stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
     out_logprobs: jnp.ndarray  # [b, max_out, 1 + k] float32 (logprobs.py), [b, 0, 0] when not asked for
     out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
+    token_counts: jnp.ndarray  # [b, v] int32 output counts (penalties.py), [b, 0] when no row has a penalty
+    in_prompt: jnp.ndarray  # [b, v] bool, [b, 0] likewise
 
 
-def _record(loop: "PlainLoop", state: DecodeState, logits, token: jnp.ndarray, batch: Batch) -> DecodeState:
-    """Appends one token (drawn from logits [b, v]) to every running row, with its logprobs when asked."""
+def _record(loop: "PlainLoop", state: DecodeState, logits, scored, token: jnp.ndarray, batch: Batch) -> DecodeState:
+    """Appends one token (drawn from `scored`: logits [b, v] after any penalties) to every running
+    row, with its logprobs when asked."""
     per_token = None
     if loop.logprobs >= 0:
-        lp, ids = token_logprobs(logits[:, None], token[:, None], batch.sampling, loop.logprobs)
+        lp, ids = token_logprobs(logits[:, None], token[:, None], batch.sampling, loop.logprobs, scored[:, None])
         per_token = {"out_logprobs": lp, "out_logprob_ids": ids}
     state, _ = commit_tokens(state, token[:, None], jnp.ones_like(token), batch, loop.config.eos_token_ids, per_token)
     return state.replace(last_token=token)
@@ -51,6 +55,7 @@ class PlainLoop:
 
     config: ModelConfig  # the target's
     logprobs: int = -1  # top alternatives recorded per token (logprobs.py); -1: no logprobs
+    penalties: bool = False  # a row has a penalty: the state counts tokens (penalties.py)
     slack = 0  # cache slots a step writes past a row's committed tokens and budget
 
     @property
@@ -72,9 +77,17 @@ class PlainLoop:
             finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
             stop_state=zeros,
             **logprob_buffers(b, max_out, self.logprobs),
+            **penalty_buffers(b, c.vocab_size, self.penalties),
         )
-        first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
-        return _record(self, state, logits, first, batch)
+        if self.penalties:
+            state = state.replace(in_prompt=prompt_tokens(batch.tokens, batch.prompt_lens, c.vocab_size))
+        scored = self._scored(logits, state, batch)
+        first = sample_tokens(scored, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+        return _record(self, state, logits, scored, first, batch)
+
+    def _scored(self, logits, s: DecodeState, batch: Batch):
+        """The logits that tokens are drawn from: penalized when a row has a penalty."""
+        return penalized(logits, s.token_counts, s.in_prompt, batch.sampling) if self.penalties else logits
 
     def fits(self, s: DecodeState, batch: Batch) -> jnp.ndarray:
         """[b]: a step has room in the cache (running rows only matter)."""
@@ -87,5 +100,6 @@ class PlainLoop:
         logits, cache = forward(weights, self.config, s.last_token[:, None], s.cache, attention=attention)
         cache = cache.replace(lengths=cache.lengths + running)
         keys = row_keys(batch.seeds, s.num_generated)
-        token = sample_tokens(logits[:, 0], batch.sampling, keys, greedy_only)
-        return _record(self, s.replace(cache=cache), logits[:, 0], token, batch)
+        scored = self._scored(logits[:, 0], s, batch)
+        token = sample_tokens(scored, batch.sampling, keys, greedy_only)
+        return _record(self, s.replace(cache=cache), logits[:, 0], scored, token, batch)

@@ -22,6 +22,7 @@ from flax import struct
 from jaxspec.decoding.acceptance import accept_greedy, accept_sampling
 from jaxspec.decoding.drafting import Drafter, Round
 from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
+from jaxspec.decoding.penalties import penalized, penalized_nodes, penalty_buffers, prompt_tokens
 from jaxspec.decoding.sampling import (
     SamplingArrays,
     filtered_logits,
@@ -61,6 +62,8 @@ class SpecState:
     stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
     out_logprobs: jnp.ndarray  # [b, max_out, 1 + k] float32 (logprobs.py), [b, 0, 0] when not asked for
     out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
+    token_counts: jnp.ndarray  # [b, v] int32 output counts (penalties.py), [b, 0] when no row has a penalty
+    in_prompt: jnp.ndarray  # [b, v] bool, [b, 0] likewise
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
 
@@ -73,12 +76,13 @@ def _target_distribution(logits: jnp.ndarray, sampling: SamplingArrays) -> jnp.n
 
 
 def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache, tokens, q, n, keys,
-           sampling: SamplingArrays, greedy_only: bool, attention: str, features_at=()):
+           sampling: SamplingArrays, greedy_only: bool, attention: str, features_at=(), penalties=None):
     """The target's pass over the proposed nodes and the lossless acceptance.
     tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
     -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,
     the path's features [b, D+1, F] at features_at (forward's), or None without, and the logits
-    [b, t, v] of every node)."""
+    [b, t, v] of every node, raw and as scored). penalties: (output counts [b, v], prompt tokens
+    [b, v]) to penalize each node's logits with, its path's drafts counted (penalties.py)."""
     t, D = plan.size, plan.max_depth
     is_chain = plan.parents == chain(t - 1)
     cache = cache.replace(lengths=n - 1)
@@ -90,6 +94,9 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
         logits, cache, *features = forward(weights, config, tokens, cache, positions,
                                            jnp.asarray(ancestor_mask(plan.parents)), attention=attention,
                                            features_at=features_at)
+    raw = logits
+    if penalties is not None:
+        logits = penalized_nodes(logits, tokens, plan.parents, *penalties, sampling)
     uniforms = None if greedy_only else jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, : t - 1])
     p = None if greedy_only else _target_distribution(logits, sampling)
     if is_chain:
@@ -111,7 +118,7 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     j = jnp.arange(D + 1)[None, :]
     emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
     path_features = jnp.take_along_axis(features[0], path[:, :, None], axis=1) if features else None
-    return accepted, emitted, path, cache, path_features, logits
+    return accepted, emitted, path, cache, path_features, raw, logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,17 +129,19 @@ class SpeculativeLoop:
     config: ModelConfig  # the target's
     drafter: Drafter
     logprobs: int = -1  # top alternatives recorded per token (logprobs.py); -1: no logprobs
+    penalties: bool = False  # a row has a penalty: the state counts tokens (penalties.py)
 
     @property
     def result_fields(self) -> tuple[str, ...]:
         fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position")
         return fields + (LOGPROB_FIELDS if self.logprobs >= 0 else ())
 
-    def _per_token(self, logits, chosen, batch: Batch) -> dict | None:
-        """The logprob buffers' values for tokens `chosen` [b, m] drawn from logits [b, m, v]."""
+    def _per_token(self, logits, scored, chosen, batch: Batch) -> dict | None:
+        """The logprob buffers' values for tokens `chosen` [b, m] drawn from logits [b, m, v]
+        (`scored`: after any penalties)."""
         if self.logprobs < 0:
             return None
-        lp, ids = token_logprobs(logits, chosen, batch.sampling, self.logprobs)
+        lp, ids = token_logprobs(logits, chosen, batch.sampling, self.logprobs, scored)
         return {"out_logprobs": lp, "out_logprob_ids": ids}
 
     @property
@@ -155,7 +164,10 @@ class SpeculativeLoop:
         layers = self.feature_layers
         logits, t_cache, *features = prefill(weights, c, batch, capacity, weights.embed.dtype, layers, attention)
         zeros = jnp.zeros((b,), jnp.int32)
-        first = sample_tokens(logits, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
+        in_prompt = prompt_tokens(batch.tokens, batch.prompt_lens, c.vocab_size) if self.penalties else None
+        scored = penalized(logits, jnp.zeros((b, c.vocab_size), jnp.int32), in_prompt, batch.sampling) \
+            if self.penalties else logits
+        first = sample_tokens(scored, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
         extra = {"features": features[0]} if layers else {}
         state = SpecState(
             target_cache=t_cache,
@@ -169,9 +181,12 @@ class SpeculativeLoop:
             rounds=zeros,
             accepted_per_position=jnp.zeros((b, D), jnp.int32),
             **logprob_buffers(b, max_out, self.logprobs),
+            **penalty_buffers(b, c.vocab_size, self.penalties),
         )
+        if self.penalties:
+            state = state.replace(in_prompt=in_prompt)
         return commit_tokens(state, first[:, None], jnp.ones_like(first), batch, c.eos_token_ids,
-                             self._per_token(logits[:, None], first[:, None], batch))[0]
+                             self._per_token(logits[:, None], scored[:, None], first[:, None], batch))[0]
 
     def fits(self, s: SpecState, batch: Batch) -> jnp.ndarray:
         """[b]: a round has room (it writes the tree's t nodes at slots n - 1 .. n + t - 2)."""
@@ -190,11 +205,12 @@ class SpeculativeLoop:
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
         r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
         tokens, q, draft = drafter.propose(params, s.draft, r)
-        accepted, emitted, path, t_cache, features, logits = verify(
+        accepted, emitted, path, t_cache, features, logits, scored = verify(
             weights, c, plan, s.target_cache, tokens, q, n, keys[:, t - 1 :], batch.sampling, greedy_only, attention,
-            self.feature_layers)
+            self.feature_layers, (s.token_counts, s.in_prompt) if self.penalties else None)
         # emitted[:, j] was drawn from the verify pass's logits at the path's node j
-        per_token = self._per_token(jnp.take_along_axis(logits, path[:, :, None], axis=1), emitted, batch)
+        on_path = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)  # noqa: E731
+        per_token = self._per_token(on_path(logits), on_path(scored), emitted, batch)
         s2, kept = commit_tokens(s, emitted, accepted + 1, batch, c.eos_token_ids, per_token)
         extra = {"features": features} if self.feature_layers else {}
         draft = drafter.commit(params, draft, r, path, emitted, kept, **extra)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.decoding.penalties import count_tokens
 from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.decoding.stop_strings import step_stops
 from jaxspec.model.cache import KVCache
@@ -88,4 +89,6 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
     stop_state = jnp.where(kept > 0, jnp.take_along_axis(stop_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
                            state.stop_state)
+    if state.token_counts.shape[1]:  # a row has a penalty: the loop counts each row's output tokens
+        written["token_counts"] = count_tokens(state.token_counts, new, kept)
     return state.replace(out_tokens=out, num_generated=n, finish=finish, stop_state=stop_state, **written), kept

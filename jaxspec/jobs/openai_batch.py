@@ -35,14 +35,15 @@ BODY_SETTINGS = {
     "seed": "seed",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",  # vLLM's extra body field
 }
 # Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
 # error line naming the key). Supporting one is moving it into BODY_SETTINGS; n also needs its
 # choices written by ok_line. logprobs / top_logprobs are read by _logprobs.
 NOT_YET = {
     "n": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
 }
 UNNAMED = ("invalid_json_line", "missing_custom_id", "invalid_custom_id")  # parse()'s codes of lines keyed "line:N"

@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 from jaxspec.decoding.method import DecodeMethod
+from jaxspec.decoding.penalties import any_penalty
 from jaxspec.decoding.trees import chain
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
@@ -47,6 +48,8 @@ def run(
     asked = [r.sampling.logprobs for r in requests if r.sampling.logprobs is not None]
     if asked:  # the loop records the most alternatives any request asks for (one graph for the call)
         loop = dataclasses.replace(loop, logprobs=max(asked))
+    if any(any_penalty(r.sampling) for r in requests):  # the loop counts tokens only where needed
+        loop = dataclasses.replace(loop, penalties=True)
     start, before = time.perf_counter(), graphs.counts()
     if scheduler == "static":
         results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done,
