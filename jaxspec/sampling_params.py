@@ -130,6 +130,10 @@ class SamplingParams:
         None, lambda v, name: _optional_count(v, name, MAX_LOGPROBS),
         f"log-probabilities per generated token: the chosen token's and the top N alternatives' (0-{MAX_LOGPROBS}; "
         "default none)", cli={"type": int})
+    prompt_logprobs: int | None = setting(
+        None, lambda v, name: _optional_count(v, name, MAX_LOGPROBS),
+        f"log-probabilities of the prompt's tokens: each one's and the top N alternatives' (0-{MAX_LOGPROBS}; "
+        "default none)", cli={"type": int})
     logprobs_mode: str = setting(
         "raw_logprobs", _logprobs_mode, "raw_logprobs: the target's own, before temperature and filters (vLLM's "
         "default); processed_logprobs: after them", row=(np.bool_, lambda mode: mode == "processed_logprobs"),

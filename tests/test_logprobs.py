@@ -79,3 +79,17 @@ def test_logprobs_settings_are_checked(pair):
     outs = jaxspec.generate(PROMPTS, pair[0], sampling=[jaxspec.SamplingParams(temperature=0, max_tokens=4),
                                                         jaxspec.SamplingParams(temperature=0, max_tokens=4, logprobs=0)])
     assert outs[0].logprobs is None and [list(e) for e in outs[1].logprobs] == [[t] for t in outs[1].token_ids]
+
+
+def test_prompt_logprobs_match_hf(pair):
+    target, draft = pair
+    outs = jaxspec.generate(PROMPTS, target, draft, max_new_tokens=4, prompt_logprobs=3)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = target.tokenizer.encode(prompt)
+        ref = log_softmax(hf_logits(ids[:1], ids[1:]))  # the logits before each prompt token past the first
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            token = ids[i + 1]
+            assert abs(entry[token] - ref[i, token]) < 1e-4
+            assert set(entry) == set(np.argsort(-ref[i])[:3].tolist()) | {token}
+    assert jaxspec.generate(PROMPTS[:1], target, max_new_tokens=2)[0].prompt_logprobs is None

@@ -90,14 +90,15 @@ def test_cli_flags_build_the_values(tmp_path):
 
 def test_batch_records_carry_any_sampling_field(model, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [{"id": "a", "prompt": "def f(x):", "max_tokens": 3},
+    lines = [{"id": "a", "prompt": "def f(x):", "max_tokens": 3, "logprobs": 1, "prompt_logprobs": 0},
              {"id": "b", "prompt": "def g(y):", "min_p": 2},
              {"id": "c", "prompt": "def h(z):", "temperature": 0.9, "min_p": 0.1, "seed": 4}]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run_job(src, out, model, None, JobSettings(max_new_tokens=5, batch_size=2, metrics_log=None, plot_path=None,
                                                progress=False))
     got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert len(got["a"]["token_ids"]) == 3
+    assert len(got["a"]["token_ids"]) == 3 and len(got["a"]["logprobs"]) == 3 and "logprobs" not in got["c"]
+    assert got["a"]["prompt_logprobs"][0] is None and all(len(e) == 1 for e in got["a"]["prompt_logprobs"][1:])
     assert "min_p must be in [0, 1] (0 = off); got 2" in got["b"]["error"]
     want = jaxspec.generate(["def h(z):"], model, temperature=0.9, min_p=0.1, seed=4, max_new_tokens=5)
     assert got["c"]["token_ids"] == want[0].token_ids

@@ -38,6 +38,7 @@ BODY_SETTINGS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",  # vLLM's extra body field
+    "prompt_logprobs": "prompt_logprobs",  # vLLM's extra body field; answered in choices[0].prompt_logprobs
 }
 # Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
 # error line naming the key). Supporting one is moving it into BODY_SETTINGS; n also needs its
@@ -197,12 +198,20 @@ def ok_line(record, completion, method: str, model) -> dict:
         **head, "created": int(time.time()), "model": model.name,
         "choices": [{**choice, "logprobs": _logprobs_out(record.data["url"], completion, record.request.sampling.logprobs,
                                                model.tokenizer),
-                     "finish_reason": reason, "stop_reason": stop_reason}],
+                     "finish_reason": reason, "stop_reason": stop_reason, **_prompt_logprobs(completion)}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
         "jaxspec": ours,
     }
     return {"id": _id("batch_req_"), "custom_id": record.id,
             "response": {"status_code": 200, "request_id": _id("req_"), "body": body}, "error": None}
+
+
+def _prompt_logprobs(completion) -> dict:
+    """vLLM's choices[0].prompt_logprobs ({"id": logprob} per prompt token, None first), where asked."""
+    if completion.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": [None if e is None else {str(t): lp for t, lp in e.items()}
+                                for e in completion.prompt_logprobs]}
 
 
 def _logprobs_out(url: str, completion, k: int | None, tokenizer) -> dict | None:

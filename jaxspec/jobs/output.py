@@ -121,6 +121,11 @@ def ok_line(record: Record, completion, method: str, model=None) -> dict:
         **_head(record), "text": completion.text, "token_ids": completion.token_ids,
         "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason, "method": method,
         "stats": completion.stats.as_dict(),
-        **({"logprobs": [{str(t): lp for t, lp in entry.items()} for entry in completion.logprobs]}
-           if completion.logprobs is not None else {}),
+        **({"logprobs": _as_json(completion.logprobs)} if completion.logprobs is not None else {}),
+        **({"prompt_logprobs": _as_json(completion.prompt_logprobs)} if completion.prompt_logprobs is not None else {}),
     }
+
+
+def _as_json(entries: list) -> list:
+    """Logprob entries with JSON's string keys ({"id": logprob}; None stays None)."""
+    return [None if e is None else {str(t): lp for t, lp in e.items()} for e in entries]

@@ -28,6 +28,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch, stop_plan
+from jaxspec.serving.prompt_logprobs import with_prompt_logprobs
 from jaxspec.serving.stats import completion
 
 
@@ -164,8 +165,8 @@ class _Slots:
         """Completions of gathered rows (`got`: device arrays, row j = indices[j])."""
         out = {**jax.device_get(got), "finish": finish}
         for j, index in enumerate(indices):
-            self.done[index] = completion(self.target.tokenizer, self.reqs[index], out, j,
-                                          self.target.config.eos_token_ids)
+            row = completion(self.target.tokenizer, self.reqs[index], out, j, self.target.config.eos_token_ids)
+            self.done[index] = with_prompt_logprobs(self.target, self.reqs[index], row)
         return [(i, self.done[i]) for i in indices]
 
     def report(self, pairs) -> None:

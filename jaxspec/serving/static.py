@@ -23,6 +23,7 @@ from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
 from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches, stop_plan
 from jaxspec.serving.requests import Request
+from jaxspec.serving.prompt_logprobs import with_prompt_logprobs
 from jaxspec.serving.stats import Completion, completion
 
 
@@ -106,7 +107,8 @@ def run_static(target: Model, requests: list[Request], max_batch_size: int, loop
         took = time.perf_counter() - t0 - spent
         decode_s += took
         for row, i in enumerate(group):
-            done[i] = completion(target.tokenizer, requests[i], out, row, target.config.eos_token_ids)
+            done[i] = with_prompt_logprobs(target, requests[i], completion(target.tokenizer, requests[i], out, row,
+                                                                           target.config.eos_token_ids))
         if on_done is not None:
             on_done([(i, done[i]) for i in group], took, spent + compile_s)
         compile_s = 0.0  # the up-front compiles are reported once, with the first batch

@@ -87,6 +87,8 @@ class Completion:
     # per generated token, {token id: log-probability} of the chosen token and the top
     # SamplingParams.logprobs alternatives (vLLM's layout); None when not asked for
     logprobs: list[dict[int, float]] | None = None
+    # per prompt token, None for the first, then the same layout (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Completions(list):
