@@ -106,6 +106,8 @@ class SamplingParams:
     temperature 1.0 and stops after 16 tokens; `generate`'s own keywords default to greedy and
     128 tokens). Every value is checked on construction; InputError names the field."""
 
+    n: int = setting(1, lambda v, name: check_int(v, name, 1), "samples per prompt (>= 1), each from its own "
+                     "random stream", cli={"type": int})
     temperature: float = setting(1.0, _temperature, "0 = greedy; > 0 samples", np.float32, {"type": float})
     top_p: float = setting(1.0, _top_p, "keep the smallest set of most likely tokens whose mass reaches "
                            "top_p, in (0, 1] (1 = off)", np.float32, {"type": float})

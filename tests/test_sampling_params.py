@@ -127,3 +127,16 @@ def test_generation_config_eos_ids_stop_rows_too(tmp_path):
     assert stop in m.config.eos_token_ids and gen["eos_token_id"] in m.config.eos_token_ids
     out = jaxspec.generate(["def add(a, b):"], m, max_new_tokens=12)[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == (free[0].token_ids[:6], "stop", None)
+
+
+def test_n_samples_per_prompt_in_prompt_order(model):
+    outs = jaxspec.generate(["def f(x):", "y = "], model, sampling=SamplingParams(n=3, max_tokens=6, seed=4))
+    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
+    first = [o.token_ids for o in outs[:3]]
+    assert len({tuple(t) for t in first}) == 3  # distinct streams
+    again = jaxspec.generate(["def f(x):"], model, sampling=SamplingParams(n=3, max_tokens=6, seed=4))
+    assert [o.token_ids for o in again] == first  # seeded: reproducible
+    with pytest.raises(jaxspec.InputError, match="n must be 1 for a batch job"):
+        JobSettings(sampling=SamplingParams(n=2))
+    with pytest.raises(jaxspec.InputError, match=r"n must be an integer >= 1; got 0"):
+        SamplingParams(n=0)

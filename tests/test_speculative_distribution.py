@@ -25,7 +25,7 @@ from jaxspec.decoding.sampling import SamplingArrays, target_probs
 from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import forward
 from jaxspec.sampling_params import SamplingParams
-from jaxspec.serving.requests import Request
+from jaxspec.serving.requests import Request, samples
 from jaxspec.serving.runner import run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -83,9 +83,14 @@ def exact_joint(target, s: SamplingParams) -> np.ndarray:
     return joint / joint.sum()
 
 
-def sampled_joint(target, draft, s: SamplingParams, tree=None, graphs=None) -> np.ndarray:
-    """draft: a draft model or jaxspec.ngram.Ngram, K = 2 (or `tree`)."""
-    reqs = [Request(PROMPT, dataclasses.replace(s, max_tokens=3, seed=seed)) for seed in range(N)]
+def sampled_joint(target, draft, s: SamplingParams, tree=None, graphs=None, as_n: bool = False) -> np.ndarray:
+    """draft: a draft model or jaxspec.ngram.Ngram, K = 2 (or `tree`). N samples, each seeded alone,
+    or (as_n) as the n = N samples of one seeded request."""
+    if as_n:
+        reqs = samples(Request(PROMPT, dataclasses.replace(s, max_tokens=3, seed=5, n=N)))
+        assert len({r.seed for r in reqs}) == N and [r.index for r in reqs] == list(range(N))
+    else:
+        reqs = [Request(PROMPT, dataclasses.replace(s, max_tokens=3, seed=seed)) for seed in range(N)]
     outs = run(target, reqs, 8192, DecodeMethod.of(draft, 2, tree), draft, graphs=graphs)
     counts = np.zeros((VOCAB, VOCAB))
     for o in outs:
@@ -121,9 +126,11 @@ PENALIZED = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.6, 
 @pytest.mark.parametrize("tree", [None, (-1, 0, 0, 1)], ids=["chain", "tree"])
 def test_penalties_and_min_p_keep_speculative_sampling_exact(pair, tree):
     """The penalties read the drafted tokens before each position along its path: the joint of
-    tokens 2 and 3 (whose penalties depend on tokens 1 and 2) is still the target's."""
+    tokens 2 and 3 (whose penalties depend on tokens 1 and 2) is still the target's. The chain's
+    samples are one request's n (SamplingParams.n): each of its streams samples the target too."""
     target, draft = pair
-    assert chi2_pvalue(sampled_joint(target, draft, PENALIZED, tree), exact_joint(target, PENALIZED)) > 1e-4
+    counts = sampled_joint(target, draft, PENALIZED, tree, as_n=tree is None)
+    assert chi2_pvalue(counts, exact_joint(target, PENALIZED)) > 1e-4
 
 
 def test_the_test_sees_penalties_left_out(pair):

@@ -14,7 +14,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model, check_draft_model, check_target, replicated_on
 from jaxspec.sampling_params import ALIASES, GREEDY, SamplingParams
 from jaxspec.serving.options import RUN_FIELDS, RunOptions
-from jaxspec.serving.requests import Request, encode_prompt, make_request, per_prompt
+from jaxspec.serving.requests import Request, encode_prompt, make_request, per_prompt, samples
 from jaxspec.serving.runner import run
 from jaxspec.serving.stats import Completions
 from jaxspec.serving.warnings import low_acceptance_message
@@ -23,7 +23,8 @@ log = logging.getLogger("jaxspec")
 
 
 def build_requests(prompts, model: Model, sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
-    """One checked Request per prompt: `sampling` for all of them, or one SamplingParams per prompt."""
+    """Checked Requests, SamplingParams.n per prompt in prompt order: `sampling` for all prompts, or
+    one SamplingParams per prompt."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
         raise InputError("prompts must be a non-empty list of strings or of token-id lists")
     c = model.config
@@ -33,7 +34,7 @@ def build_requests(prompts, model: Model, sampling: SamplingParams | Sequence[Sa
             raise InputError(f"sampling must be a jaxspec.SamplingParams or a list of one per prompt; got {params!r}")
         field = f"prompts[{i}]"
         ids = encode_prompt(prompt, model.tokenizer, field)
-        requests.append(make_request(ids, params, c.vocab_size, c.max_position_embeddings, field, model.tokenizer))
+        requests += samples(make_request(ids, params, c.vocab_size, c.max_position_embeddings, field, model.tokenizer))
     return requests
 
 
@@ -124,7 +125,8 @@ def generate(
     "xla", "pallas"), deterministic (the same tokens alone or in any batch, bit for bit;
     docs/deterministic.md), warn_below_acceptance.
 
-    Returns Completions (a list, in prompt order) with `.metrics` for the whole call; logs a
+    Returns Completions (a list, in prompt order: with n > 1, prompt 0's n samples first, each with
+    its `index`) with `.metrics` for the whole call; logs a
     warning when the call's acceptance rate is below options.warn_below_acceptance.
     """
     check_target(target)

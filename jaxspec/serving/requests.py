@@ -16,6 +16,7 @@ class Request:
 
     token_ids: tuple[int, ...]
     sampling: SamplingParams = GREEDY
+    index: int = 0  # which of the prompt's n samples (SamplingParams.n)
 
     def __post_init__(self):
         object.__setattr__(self, "sampling", self.sampling.with_seed())
@@ -103,3 +104,17 @@ def render_messages(messages, tokenizer, model_name: str) -> list[int]:
     except Exception as e:  # template errors (e.g. roles out of order) are the record's fault
         raise InputError(f"messages could not be rendered with the chat template: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+
+
+SAMPLE_STRIDE = 0x9E3779B9  # seeds of a prompt's samples: seed, seed + stride, ... (mod 2**32), all distinct
+
+
+def samples(request: Request) -> list[Request]:
+    """A request's SamplingParams.n samples: sample i draws from its own stream, seeded from the
+    request's seed and i, so seeded samples are reproducible and distinct (sample 0 keeps the seed)."""
+    n = request.sampling.n
+    if n == 1:
+        return [request]
+    seed = request.seed
+    return [Request(request.token_ids, dataclasses.replace(request.sampling, seed=(seed + i * SAMPLE_STRIDE) % 2**32), i)
+            for i in range(n)]

@@ -89,6 +89,7 @@ class Completion:
     logprobs: list[dict[int, float]] | None = None
     # per prompt token, None for the first, then the same layout (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    index: int = 0  # which of its prompt's SamplingParams.n samples
 
 
 class Completions(list):
@@ -129,7 +130,8 @@ def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[
     stop_reason = ids[-1] if by_id else None
     if reason == "stop" and not by_id and ids[-1] not in eos_ids and stops.stop and text is not None:
         text, stop_reason = _before_stop(text, stops.stop)
-    return Completion(text, ids, reason, _request_stats(request, out, row), stop_reason, _logprobs(request, out, row))
+    return Completion(text, ids, reason, _request_stats(request, out, row), stop_reason, _logprobs(request, out, row),
+                      index=request.index)
 
 
 def _logprobs(request: Request, out: dict, row: int) -> list[dict[int, float]] | None:
