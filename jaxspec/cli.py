@@ -123,7 +123,7 @@ def run_generate(args) -> int:
     draft = load_draft(args, args.draft) if args.draft else None
     method = DecodeMethod.of(draft, args.num_draft_tokens, args.tree)
     outs = generate(prompts, target, draft, sampling=sampling, method=method, options=options)
-    _print_completions(prompts, outs, args.json)
+    _print_completions([p for p in prompts for _ in range(sampling.n)], outs, args.json)  # n samples a prompt
     m = outs.metrics
     print(
         f"--- {m.requests} prompt(s), {m.new_tokens} new tokens, {m.tokens_per_s:.1f} tokens/s "
