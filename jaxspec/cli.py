@@ -98,15 +98,15 @@ def _print_completions(prompts, outs, as_json: bool) -> None:
 
 def _compare_plain(prompts, target, draft, outs, call: dict) -> None:
     """Times the same call plainly and speculatively (compiled graphs, a second call each) and
-    prints the speedup and whether the output is the plain output."""
-    plain = [generate(prompts, target, None, **call) for _ in range(2)][-1]
-    spec = generate(prompts, target, draft, method=DecodeMethod.of(draft, call["method"].k, call["method"].tree),
-                    **{k: v for k, v in call.items() if k != "method"})
+    prints the speedup and whether the output is the plain output. call: generate's keywords."""
+    plain_call = {k: v for k, v in call.items() if k != "method"}
+    plain = [generate(prompts, target, None, **plain_call) for _ in range(2)][-1]
+    spec = generate(prompts, target, draft, **call)
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain))
     speedup = plain.metrics.decode_s / spec.metrics.decode_s if spec.metrics.decode_s > 0 else 0.0
     print(f"--- speculative {spec.metrics.tokens_per_s:.1f} tokens/s vs plain {plain.metrics.tokens_per_s:.1f} "
           f"tokens/s: {speedup:.2f}x the speed of plain decoding, measured here; output identical to plain "
-          f"decoding for {same} of {len(prompts)} prompt(s)")
+          f"decoding for {same} of {len(outs)} completion(s)")
 
 
 def run_generate(args) -> int:

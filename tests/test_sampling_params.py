@@ -140,3 +140,11 @@ def test_n_samples_per_prompt_in_prompt_order(model):
         JobSettings(sampling=SamplingParams(n=2))
     with pytest.raises(jaxspec.InputError, match=r"n must be an integer >= 1; got 0"):
         SamplingParams(n=0)
+
+
+def test_generate_command_compares_with_plain_decoding(capsys):
+    target = str(CHECKPOINTS / "hf" / "code-draft-4m")
+    argv = ["generate", "def f(x):", "--target", target, "--draft", "ngram", "--compare-plain", "--max-new-tokens", "6",
+            "--stop-token-ids", "5", "--repetition-penalty", "1.2"]
+    assert cli.main(argv) == 0
+    assert "output identical to plain decoding for 1 of 1 completion(s)" in capsys.readouterr().out
