@@ -85,14 +85,16 @@ def test_greedy_with_repetition_penalty_is_hfs_argmax_at_every_position(pair):
         assert int(scores.argmax()) == token, f"position {i}"
 
 
-@pytest.mark.parametrize("drafter", ["model K=3", "ngram K=6", "model tree"])
+@pytest.mark.parametrize("drafter", ["model K=3", "ngram K=6", "model tree", "eagle K=3"])
 def test_greedy_with_penalties_and_stops_equals_plain(pair, drafter):
     target, draft = pair
     kw = dict(max_new_tokens=32, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
               stop=["return 0"], logprobs=1, warn_below_acceptance=0.0)
     plain = jaxspec.generate(PROMPTS, target, **kw)
+    if drafter.startswith("eagle"):
+        draft = jaxspec.load(CHECKPOINTS / "hf" / "code-eagle-16m", dtype="float32")
     draft_arg, how = {"model K=3": (draft, dict(num_draft_tokens=3)), "ngram K=6": ("ngram", dict(num_draft_tokens=6)),
-                      "model tree": (draft, dict(tree="binary-3"))}[drafter]
+                      "model tree": (draft, dict(tree="binary-3")), "eagle K=3": (draft, dict(num_draft_tokens=3))}[drafter]
     spec = jaxspec.generate(PROMPTS, target, draft_arg, **kw, **how)
     for a, b in zip(spec, plain):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
