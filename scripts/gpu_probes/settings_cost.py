@@ -5,7 +5,7 @@ the groups alternating within each repeat. Prints one JSON line per (batch, sett
 median decode seconds of the repeats and the tokens/s.
 
     python3 scripts/gpu_probes/settings_cost.py --shape llama3-8b --batch-sizes 1,64 --repeats 5 \\
-        [--settings default,penalties,logprobs,stops]
+        [--settings default,penalties,logprobs,stops] [--model checkpoints/hf/code-target-16m]
 
 It runs on checkouts from before jaxspec.SamplingParams too (only `default` there), so the same
 command on an older tree (PYTHONPATH=OLD_TREE) gives the baseline of a before/after comparison.
@@ -33,6 +33,7 @@ SETTINGS = {
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--model", help="a model folder instead of --shape (e.g. checkpoints/hf/code-target-16m on a CPU)")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="", help="a name for this tree, printed on each line (before, after)")
     args = p.parse_args(argv)
     names = args.settings.split(",")
-    model = random_model(args.shape)
+    model = jaxspec.load(args.model) if args.model else random_model(args.shape)
     rng = np.random.default_rng(0)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         prompts = rng.integers(1, model.config.vocab_size, size=(b, args.prompt_len)).tolist()
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
                 tokens[n] = out.metrics.new_tokens
         for n in names:
             s = statistics.median(seconds[n])
-            print(json.dumps({"label": args.label, "shape": args.shape, "batch": b, "settings": n,
+            print(json.dumps({"label": args.label, "shape": args.model or args.shape, "batch": b, "settings": n,
                               "median_decode_s": round(s, 5), "tokens_per_s": round(tokens[n] / s, 1),
                               "runs_s": [round(x, 5) for x in seconds[n]]}), flush=True)
     return 0
