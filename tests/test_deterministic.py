@@ -183,6 +183,22 @@ def test_stops_and_penalties_keep_the_bits_under_speculation(tiny_bf16):
     assert [c.finish_reason for c in plain[:2]] == ["stop", "stop"]
 
 
+def test_shared_prefixes_keep_the_bits(tiny_bf16):
+    """bfloat16, deterministic: prompts after one 64-token preamble, prefilled once and copied
+    (the default) or each whole, give the same tokens and logprobs bit for bit, plain and
+    speculative."""
+    target = tiny_bf16[0]
+    preamble = np.random.default_rng(7).integers(3, 384, 64).tolist()
+    prompts = [preamble + p for p in PROMPTS]
+    det = dict(max_new_tokens=16, deterministic=True, warn_below_acceptance=0.0, logprobs=2, max_batch_size=8)
+    for draft in (None, target):
+        on = jaxspec.generate(prompts, target, draft, **det)
+        off = jaxspec.generate(prompts, target, draft, prefix_cache=False, **det)
+        assert on.metrics.cached_tokens == 5 * 64 and off.metrics.cached_tokens == 0
+        assert _tokens(on) == _tokens(off)
+        assert [c.logprobs for c in on] == [c.logprobs for c in off]
+
+
 def test_trees_and_other_attention_are_refused_in_deterministic_mode(tiny_bf16):
     target = tiny_bf16[0]
     with pytest.raises(InputError, match="chains only"):

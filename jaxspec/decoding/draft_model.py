@@ -136,7 +136,7 @@ class ModelDrafter:
         return self.tree == chain(len(self.tree) - 1)
 
     def init(self, weights: Weights, batch, capacity: int, max_out: int, first: jnp.ndarray) -> KVCache:
-        return prefill(weights, self.config, batch, capacity, weights.embed.dtype)[1]
+        return prefill(weights, self.config, batch, capacity)[1]  # whole: the shared prefixes are the target's
 
     def propose(self, weights: Weights, cache: KVCache, r: Round):
         if self.is_chain:

@@ -67,7 +67,7 @@ class PlainLoop:
         """Prefill and the first token: the loop state of a fresh batch (padding rows finished)."""
         c = self.config
         b = batch.tokens.shape[0]
-        logits, cache = prefill(weights, c, batch, capacity, weights.embed.dtype, attention=attention)
+        logits, cache = prefill(weights, c, batch, capacity, attention=attention, prefix=batch.prefix)
         zeros = jnp.zeros((b,), jnp.int32)
         state = DecodeState(
             cache=cache,

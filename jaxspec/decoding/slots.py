@@ -25,8 +25,8 @@ def insert_rows(big, new, slots: jnp.ndarray):
 
 
 def _slot_batch(batch: Batch) -> Batch:
-    """The loop reads no prompt tokens (prefill did): slots keep a [b, 1] stand-in."""
-    return batch.replace(tokens=jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
+    """The loop reads no prompt tokens or prefixes (prefill did): slots keep a [b, 1] stand-in."""
+    return batch.replace(tokens=jnp.zeros((batch.tokens.shape[0], 1), jnp.int32), prefix=None)
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "capacity", "max_out", "greedy_only", "attention"))

@@ -162,7 +162,7 @@ class SpeculativeLoop:
         D = TreePlan.of(self.drafter.tree).max_depth
         b = batch.tokens.shape[0]
         layers = self.feature_layers
-        logits, t_cache, *features = prefill(weights, c, batch, capacity, weights.embed.dtype, layers, attention)
+        logits, t_cache, *features = prefill(weights, c, batch, capacity, layers, attention, batch.prefix)
         zeros = jnp.zeros((b,), jnp.int32)
         in_prompt = prompt_tokens(batch.tokens, batch.prompt_lens, c.vocab_size) if self.penalties else None
         scored = penalized(logits, jnp.zeros((b, c.vocab_size), jnp.int32), in_prompt, batch.sampling) \

@@ -3,6 +3,9 @@ and the commit of new tokens (cut at EOS or a row's stop token, and at each row'
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -31,6 +34,7 @@ class Batch:
     stop_ids: jnp.ndarray  # [b, S] int32: each row's stop token ids, -1 past them
     stop_sets: jnp.ndarray  # [b] int32: each row's set of stop strings in stop_tables (0: none)
     stop_tables: "Shared"  # [sets, states, v] the call's stop-string automata (stop_strings.py)
+    prefix: "PrefixUse | None" = None  # rows whose prompt starts with a prefix prefilled once
 
 
 @struct.dataclass
@@ -38,6 +42,17 @@ class Shared:
     """An array that every row of a batch shares: inserting rows (slots.insert_rows) keeps it."""
 
     value: jnp.ndarray
+
+
+@struct.dataclass
+class PrefixUse:
+    """Where a batch's rows find the keys and values of their prompt's shared prefix (computed once
+    for the call: serving/prefixes.py), so prefill runs only the rest of each prompt."""
+
+    rows: jnp.ndarray  # [b] int32: the row of `store` holding the row's prefix
+    lens: jnp.ndarray  # [b] int32: the prefix's length (0: none, the whole prompt runs)
+    suffix: jnp.ndarray  # [b, t] int32: the prompt after the prefix, right-padded
+    store: KVCache  # [entries, capacity]: prefill_store's
 
 
 def is_stop(tokens: jnp.ndarray, eos_ids: tuple[int, ...], stop_ids: jnp.ndarray) -> jnp.ndarray:
@@ -48,17 +63,43 @@ def is_stop(tokens: jnp.ndarray, eos_ids: tuple[int, ...], stop_ids: jnp.ndarray
     return hit
 
 
-def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, dtype, features_at=(),
-            attention: str = "xla"):
+def _empty_cache(weights: Weights, config: ModelConfig, rows: int, capacity: int) -> KVCache:
+    return KVCache.create(config, rows, capacity, weights.embed.dtype, stacked=not isinstance(weights.layers, tuple),
+                          mesh=weights.mesh)
+
+
+def _prefill_attention(attention: str) -> str:
+    """A prefill runs XLA's attention unless the loop is deterministic (whose kernels it must share)."""
+    return "deterministic" if attention == "deterministic" else "xla"
+
+
+def prefill(weights: Weights, config: ModelConfig, batch: Batch, capacity: int, features_at=(),
+            attention: str = "xla", prefix: PrefixUse | None = None):
     """Runs the prompts; returns (logits of each row's last prompt token [b, v], cache), and with
-    features_at the prompt's features as a third item (forward's). attention: the loop's; a
-    prefill runs XLA's attention unless it is "deterministic" (whose kernels it must share)."""
-    b = batch.tokens.shape[0]
-    cache = KVCache.create(config, b, capacity, dtype, stacked=not isinstance(weights.layers, tuple), mesh=weights.mesh)
-    logits, cache, *features = forward(weights, config, batch.tokens, cache,
-                                       attention="deterministic" if attention == "deterministic" else "xla",
-                                       logits_at=jnp.maximum(batch.prompt_lens - 1, 0), features_at=features_at)
+    features_at the prompt's features as a third item (forward's). attention: the loop's.
+    prefix: the target's shared prefixes (batch.prefix): their keys and values are copied in and
+    only the rest of each prompt runs (no features: they exist for the rest only)."""
+    cache = _empty_cache(weights, config, batch.tokens.shape[0], capacity)
+    tokens, logits_at = batch.tokens, jnp.maximum(batch.prompt_lens - 1, 0)
+    if prefix is not None:
+        if features_at:
+            raise ValueError("a shared prefix has no features to give: prefill such rows whole")
+        cache = cache.with_prefix(prefix.store, prefix.rows, prefix.lens)
+        tokens, logits_at = prefix.suffix, jnp.maximum(batch.prompt_lens - prefix.lens - 1, 0)
+    logits, cache, *features = forward(weights, config, tokens, cache, attention=_prefill_attention(attention),
+                                       logits_at=logits_at, features_at=features_at)
     return (logits[:, 0], cache.replace(lengths=batch.prompt_lens), *features)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention"))
+def prefill_store(weights: Weights, tokens: jnp.ndarray, lens: jnp.ndarray, *, config: ModelConfig, capacity: int,
+                  attention: str = "xla") -> KVCache:
+    """The keys and values of a call's shared prefixes (tokens [entries, t], right-padded; lens
+    [entries]) as a cache of one row each, computed as a prefill computes them."""
+    cache = _empty_cache(weights, config, tokens.shape[0], capacity)
+    _, cache = forward(weights, config, tokens, cache, attention=_prefill_attention(attention),
+                       logits_at=jnp.zeros(tokens.shape[:1], jnp.int32))
+    return cache.replace(lengths=lens)
 
 
 def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids, per_token: dict | None = None):

@@ -224,7 +224,7 @@ class _Job:
         entry = self.mlog.write(
             "batch", phase=phase, **method, prompt_version=_versions(lines), records=len(lines), batch_size=self.settings.batch_size,
             scheduler=self.settings.scheduler, worker=worker,
-            prompt_tokens=t["prompt_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
+            prompt_tokens=t["prompt_tokens"], cached_tokens=t["cached_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
             compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
             acceptance_rate=t["acceptance_rate"], tokens_per_step=t["tokens_per_step"],
             per_position_acceptance=t["per_position_acceptance"], running_acceptance=self.watch.rate,

@@ -28,12 +28,13 @@ def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod,
     """Serves `todo` by `method` with settings.scheduler at settings.batch_size; emit(records,
     completions, decode_s, compile_s, worker=None) as records finish."""
     attention = settings.options.attention_impl  # the fused kernel on GPUs (XLA's on the CPU)
+    prefix_cache = settings.options.prefix_cache
     if settings.scheduler == "continuous":
         def on_done(pairs, decode_s, compile_s):  # rows written as they finish, a return to the host at a time
             emit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, None)
 
         run(target, [r.request for r in todo], settings.batch_size, method, draft, attention=attention,
-            scheduler="continuous", refill_at=settings.refill_at, on_done=on_done)
+            scheduler="continuous", refill_at=settings.refill_at, on_done=on_done, prefix_cache=prefix_cache)
         return
     index = {id(r): i for i, r in enumerate(todo)}
     groups = [[index[id(r)] for r in chunk] for chunk in plan_chunks(todo, settings.batch_size)]
@@ -42,4 +43,4 @@ def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod,
         emit([todo[i] for i, _ in pairs], [c for _, c in pairs], decode_s, compile_s, None)
 
     run(target, [r.request for r in todo], settings.batch_size, method, draft, attention=attention,
-        on_done=on_batch, groups=groups)
+        on_done=on_batch, groups=groups, prefix_cache=prefix_cache)

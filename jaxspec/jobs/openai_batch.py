@@ -199,7 +199,8 @@ def ok_line(record, completion, method: str, model) -> dict:
         "choices": [{**choice, "logprobs": _logprobs_out(record.data["url"], completion, record.request.sampling.logprobs,
                                                model.tokenizer),
                      "finish_reason": reason, "stop_reason": stop_reason, **_prompt_logprobs(completion)}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new,
+                  "prompt_tokens_details": {"cached_tokens": stats["cached_tokens"]}},
         "jaxspec": ours,
     }
     return {"id": _id("batch_req_"), "custom_id": record.id,

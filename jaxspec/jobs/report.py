@@ -29,6 +29,7 @@ def totals(records: list[dict]) -> dict:
     ok = [r for r in records if "error" not in r]
     keys = ("new_tokens", "target_steps", "drafted", "accepted", "prompt_tokens")
     sums = {k: sum(r["stats"][k] for r in ok) for k in keys}
+    sums["cached_tokens"] = sum(r["stats"].get("cached_tokens", 0) for r in ok)  # records before prefix sharing: 0
     accepted_pos: list[int] = []
     drafted_pos: list[int] = []
     for r in ok:
@@ -38,6 +39,7 @@ def totals(records: list[dict]) -> dict:
         "records": len(records), "ok": len(ok), "failed": len(records) - len(ok), **sums,
         "acceptance_rate": _ratio(sums["accepted"], sums["drafted"]),
         "tokens_per_step": _ratio(sums["new_tokens"], sums["target_steps"]),
+        "prefill_tokens": sums["prompt_tokens"] - sums["cached_tokens"],  # shared prefixes counted once
         "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
         "finish_reasons": _count(r["finish_reason"] for r in ok),
     }
@@ -85,6 +87,8 @@ def format_summary(s: dict) -> str:
         + (f"; models loaded in {run['load_s']:.1f} s" if "load_s" in run else ""),
         f"  all records: {t['new_tokens']} new tokens, acceptance {_fmt(t['acceptance_rate'])}, "
         f"{_fmt(t['tokens_per_step'], '.2f')} tokens per target step",
+        f"  prefill: {t['prefill_tokens']} of {t['prompt_tokens']} prompt tokens computed, "
+        f"{t['cached_tokens']} reused from shared prefixes",
     ]
     if t["per_position_acceptance"]:
         lines.append("  per-position acceptance: " + " ".join(f"{a:.2f}" for a in t["per_position_acceptance"]))

@@ -58,6 +58,19 @@ class KVCache:
             k, v = put(self.k, new.k), put(self.v, new.v)
         return self.replace(k=k, v=v, lengths=self.lengths.at[slots].set(new.lengths, mode="drop"))
 
+    def with_prefix(self, store: "KVCache", rows: jnp.ndarray, lens: jnp.ndarray) -> "KVCache":
+        """This empty cache with each row b's first lens[b] slots copied from row rows[b] of
+        `store` (zeros past them, as a fresh cache has), and lengths = lens."""
+        n = min(store.capacity, self.capacity)
+        keep = jnp.arange(n)[None, :, None, None] < lens[:, None, None, None]  # [b, n, 1, 1]
+        if isinstance(self.k, tuple):
+            put = lambda a, s: a.at[:, :n].set(jnp.where(keep, s[rows, :n], 0).astype(a.dtype))  # noqa: E731
+            k, v = tuple(map(put, self.k, store.k)), tuple(map(put, self.v, store.v))
+        else:  # stacked: [layers, b, ...]
+            put = lambda a, s: a.at[:, :, :n].set(jnp.where(keep[None], s[:, rows, :n], 0).astype(a.dtype))  # noqa: E731
+            k, v = put(self.k, store.k), put(self.v, store.v)
+        return self.replace(k=k, v=v, lengths=lens)
+
 
 def cache_specs(cache: KVCache) -> KVCache:
     """The cache split by kv heads (model.sharding.CACHE_AXES), lengths whole."""

@@ -28,6 +28,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch, stop_plan
+from jaxspec.serving.prefixes import PrefixStore
 from jaxspec.serving.prompt_logprobs import with_prompt_logprobs
 from jaxspec.serving.stats import completion
 
@@ -46,7 +47,7 @@ ADMIT_ORDERS = ("longest", "arrival")
 
 def run_slots(target: Model, requests, slots: int, loop, params, attention: str, greedy_only: bool, graphs: GraphCache,
               *, refill_at: int | None = None, max_steps: int | None = None, on_done=None,
-              admit_order: str = "longest"):
+              admit_order: str = "longest", prefixes: PrefixStore | None = None):
     """Decodes `requests` ((index into the caller's list, Request) pairs) through `slots` slots.
     admit_order "longest": the largest budget first (an offline job knows every budget, and
     starting the long records early leaves short ones to fill the slots at the end; admitting in
@@ -54,9 +55,10 @@ def run_slots(target: Model, requests, slots: int, loop, params, attention: str,
     caller's order, for rows whose budget says nothing of where they end (EOS).
     on_done(pairs, decode_s, compile_s): called at returns to the host with the (index,
     Completion) pairs that finished, and the seconds spent since its last call. Returns
-    (completions by index, decode_s). admit_order is checked by runner.run."""
+    (completions by index, decode_s). admit_order is checked by runner.run. prefixes: the call's
+    shared prompt prefixes (by request index)."""
     return _Slots(target, dict(requests), slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
-                  on_done, admit_order).run()
+                  on_done, admit_order, prefixes).run()
 
 
 class _Slots:
@@ -64,9 +66,9 @@ class _Slots:
     the seconds spent (decoding, compiling) since on_done's last call."""
 
     def __init__(self, target, reqs: dict, slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
-                 on_done, admit_order):
+                 on_done, admit_order, prefixes):
         self.target, self.reqs, self.slots, self.params, self.graphs = target, reqs, slots, params, graphs
-        self.on_done = on_done
+        self.on_done, self.prefixes = on_done, prefixes
         max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
         # Room for the longest row (its own prompt + budget), not the longest prompt plus the largest
         # budget; and for the widest prompt bucket, which a prefill writes whole.
@@ -91,16 +93,23 @@ class _Slots:
             self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)
             self.compile_s += graphs.precompile(self.graphs_needed())[0]
 
+    def admit_shape(self, index: int) -> tuple[int, int | None]:
+        """A request's admit graph: (its prompt bucket, the bucket of the rest after its shared
+        prefix, None without one)."""
+        r = self.reqs[index]
+        rest = self.prefixes.rest_width(index, len(r.token_ids), self.static["capacity"]) if self.prefixes else None
+        return bucket(len(r.token_ids)), rest
+
     def graphs_needed(self) -> list:
-        """(fn, static, args) of every graph the slots will run: an admit per prompt bucket, the
+        """(fn, static, args) of every graph the slots will run: an admit per admit shape, the
         loop and the gather of finished rows."""
         w, pad = self.target.weights, self.target.config.pad_token_id
-        widths = sorted({bucket(len(r.token_ids)) for r in self.reqs.values()})
         where = jnp.zeros(self.admit_rows, jnp.int32)
-        calls = [(admit, self.static, (w, self.params, self.state, self.batch,
-                                       replicate(make_batch([], self.admit_rows, width, pad, self.stops), self.target.mesh),
-                                       where))
-                 for width in widths]
+        calls = []
+        for width, rest in sorted({self.admit_shape(i) for i in self.reqs}, key=str):
+            new = replicate(make_batch([], self.admit_rows, width, pad, self.stops), self.target.mesh)
+            new = new if rest is None else self.prefixes.placeholder(new, rest)
+            calls.append((admit, self.static, (w, self.params, self.state, self.batch, new, where)))
         calls.append((advance, self.advance_static, (w, self.params, self.batch, self.state, jnp.int32(0), jnp.int32(0))))
         rows = jnp.zeros(self.slots, jnp.int32)
         calls.append((take_rows, {}, ({f: getattr(self.state, f) for f in self.fields}, rows)))
@@ -123,22 +132,26 @@ class _Slots:
         self.unreported[1] += compiled
 
     def admit(self) -> None:
-        """Starts pending requests in the free slots: one prefill-and-insert per prompt bucket."""
+        """Starts pending requests in the free slots: one prefill-and-insert per admit shape."""
         free = [i for i, h in enumerate(self.holder) if h is None]
         taken = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
-        by_bucket: dict[int, list[tuple[int, int]]] = {}
+        by_shape: dict[tuple[int, int | None], list[tuple[int, int]]] = {}
         for slot, index in zip(free, taken):
-            by_bucket.setdefault(bucket(len(self.reqs[index].token_ids)), []).append((slot, index))
+            by_shape.setdefault(self.admit_shape(index), []).append((slot, index))
             self.holder[slot] = index
         rows = self.admit_rows
-        for width, group in by_bucket.items():
+        for (width, rest), group in by_shape.items():
             for part in (group[i : i + rows] for i in range(0, len(group), rows)):
-                new = make_batch([self.reqs[i] for _, i in part], rows, width, self.target.config.pad_token_id,
-                                 self.stops)
+                reqs = [self.reqs[i] for _, i in part]
+                new = replicate(make_batch(reqs, rows, width, self.target.config.pad_token_id, self.stops),
+                                self.target.mesh)
+                if rest is not None:
+                    new = self.prefixes.attach(new, [i for _, i in part], [r.token_ids for r in reqs],
+                                               self.static["capacity"])
                 where = np.full(rows, self.slots, np.int32)  # padding rows land past the end: dropped
                 where[: len(part)] = [s for s, _ in part]
                 self.state, self.batch = self.call(admit, self.static, self.target.weights, self.params, self.state,
-                                                   self.batch, replicate(new, self.target.mesh), jnp.asarray(where))
+                                                   self.batch, new, jnp.asarray(where))
 
     def advance(self) -> None:
         """Decodes until refill_at more rows have finished (every row, once nothing is pending)."""
@@ -165,7 +178,8 @@ class _Slots:
         """Completions of gathered rows (`got`: device arrays, row j = indices[j])."""
         out = {**jax.device_get(got), "finish": finish}
         for j, index in enumerate(indices):
-            row = completion(self.target.tokenizer, self.reqs[index], out, j, self.target.config.eos_token_ids)
+            cached = self.prefixes.cached.get(index, 0) if self.prefixes else 0
+            row = completion(self.target.tokenizer, self.reqs[index], out, j, self.target.config.eos_token_ids, cached)
             self.done[index] = with_prompt_logprobs(self.target, self.reqs[index], row)
         return [(i, self.done[i]) for i in indices]
 

@@ -113,7 +113,7 @@ def generate(
     sampling: a jaxspec.SamplingParams for every prompt, or a list of one per prompt (vLLM's
     fields and defaults). Without it: greedy, 128 new tokens, seed 0.
     method: a jaxspec.DecodeMethod (kind, K, tree, the drafter's settings); default: the draft's,
-    K = 3. options: a RunOptions (attention, deterministic, warn_below_acceptance).
+    K = 3. options: a RunOptions (attention, deterministic, warn_below_acceptance, prefix_cache).
     graphs: the compiled-graph cache (jaxspec.GraphCache); default: the target's own.
 
     Shorthand keywords, each setting one field of those values (a sampling keyword over
@@ -123,7 +123,8 @@ def generate(
     with one seed sample the same text); num_draft_tokens (K), tree (a parents array or a name
     from jaxspec.trees.NAMED_TREES), ngram_min, ngram_max, ngram_branches; attention ("auto",
     "xla", "pallas"), deterministic (the same tokens alone or in any batch, bit for bit;
-    docs/deterministic.md), warn_below_acceptance.
+    docs/deterministic.md), warn_below_acceptance, prefix_cache (False: every prompt prefilled
+    whole, no shared prefixes).
 
     Returns Completions (a list, in prompt order: with n > 1, prompt 0's n samples first, each with
     its `index`) with `.metrics` for the whole call; logs a
@@ -144,7 +145,7 @@ def generate(
     # Past one batch, slots are refilled as rows finish rather than waiting for a batch's longest.
     scheduler = "continuous" if len(requests) > max_batch_size else "static"
     outs = run(target, requests, max_batch_size, method, draft, attention=options.attention_impl,
-               scheduler=scheduler, graphs=graphs)
+               scheduler=scheduler, graphs=graphs, prefix_cache=options.prefix_cache)
     warn_if_low(outs, method, draft, target, options.warn_below_acceptance)
     return outs
 

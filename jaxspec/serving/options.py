@@ -21,15 +21,20 @@ class RunOptions:
     """attention: "auto" (the fused Pallas kernel on GPUs, XLA's attention on the CPU), "xla" or
     "pallas" (on the CPU in interpret mode, for tests). deterministic: every row's result depends
     on that row alone, bit for bit, in any dtype (docs/deterministic.md; chains only).
-    warn_below_acceptance: log a warning when a call's acceptance rate falls below it."""
+    warn_below_acceptance: log a warning when a call's acceptance rate falls below it.
+    prefix_cache: prompts that begin with the same blocks of tokens (a system prompt, a few-shot
+    preamble, the n samples of one prompt) prefill them once (serving/prefixes.py); the output is
+    the same without it."""
 
     attention: str = "auto"
     deterministic: bool = False
     warn_below_acceptance: float = DEFAULT_WARN_BELOW
+    prefix_cache: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.deterministic, bool):
-            raise InputError(f"deterministic must be True or False; got {self.deterministic!r}")
+        for name in ("deterministic", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.deterministic and self.attention not in ("auto", "deterministic"):
             raise InputError(f"deterministic mode runs its own attention kernel: leave attention 'auto'; "
                              f"got {self.attention!r}")
@@ -57,10 +62,13 @@ class RunOptions:
                                  "docs/deterministic.md)")
         parser.add_argument("--warn-below-acceptance", type=float, default=DEFAULT_WARN_BELOW,
                             help=f"warn when the acceptance rate falls below this (default {DEFAULT_WARN_BELOW})")
+        parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                            help="prefill every prompt whole, rather than shared prefixes once (for comparison: "
+                                 "the output is the same)")
 
     @classmethod
     def from_cli(cls, args) -> "RunOptions":
-        return cls(getattr(args, "attention", "auto"), args.deterministic, args.warn_below_acceptance)
+        return cls(getattr(args, "attention", "auto"), args.deterministic, args.warn_below_acceptance, args.prefix_cache)
 
     def updated(self, values: dict) -> "RunOptions":
         return dataclasses.replace(self, **values) if values else self

@@ -14,6 +14,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model, replicated_on
 from jaxspec.serving.continuous import ADMIT_ORDERS, run_slots
+from jaxspec.serving.prefixes import prefix_store
 from jaxspec.serving.requests import Request
 from jaxspec.serving.static import run_static
 from jaxspec.serving.stats import CallMetrics, Completion, Completions
@@ -25,7 +26,7 @@ def run(
     target: Model, requests: list[Request], max_batch_size: int, method: DecodeMethod = DecodeMethod(),
     draft: Model | None = None, *, attention: str = "xla", scheduler: str = "static", refill_at: int | None = None,
     on_done=None, admit_order: str = "longest", graphs: GraphCache | None = None,
-    groups: list[list[int]] | None = None,
+    groups: list[list[int]] | None = None, prefix_cache: bool = True,
 ) -> Completions:
     """Decodes all requests (results in their order) by `method` (its draft model: `draft`).
     scheduler "static": padded batches of up to max_batch_size, each run until its longest row
@@ -51,13 +52,17 @@ def run(
     if any(any_penalty(r.sampling) for r in requests):  # the loop counts tokens only where needed
         loop = dataclasses.replace(loop, penalties=True)
     start, before = time.perf_counter(), graphs.counts()
+    shares = prefix_cache and not getattr(loop, "feature_layers", ())
+    store = prefix_store(target, [r.token_ids for r in requests], attention, graphs) if shares else None
     if scheduler == "static":
         results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done,
-                                       groups)
+                                       groups, store)
     else:
         results, decode_s = _run_continuous(target, requests, max_batch_size, loop, params, attention, graphs,
-                                            refill_at, on_done, admit_order)
+                                            refill_at, on_done, admit_order, store)
+    decode_s += store.run_s if store else 0.0
     after = graphs.counts()
+    prompt_tokens = sum(c.stats.prompt_tokens for c in results)
     return Completions(results, CallMetrics(
         requests=len(results),
         new_tokens=sum(c.stats.new_tokens for c in results),
@@ -70,11 +75,14 @@ def run(
         target_steps=sum(c.stats.target_steps for c in results),
         drafted=sum(c.stats.drafted for c in results),
         accepted=sum(c.stats.accepted for c in results),
+        prompt_tokens=prompt_tokens,
+        prefill_tokens=prompt_tokens - (store.reused - store.computed if store else 0),
+        cached_tokens=sum(c.stats.cached_tokens for c in results),
     ))
 
 
 def _run_continuous(target, requests, slots, loop, params, attention, graphs, refill_at, on_done,
-                    admit_order) -> tuple[list[Completion], float]:
+                    admit_order, store) -> tuple[list[Completion], float]:
     """Greedy and sampled requests each through their own slots (one graph each), in that order."""
     results: list[Completion | None] = [None] * len(requests)
     decode_s = 0.0
@@ -82,7 +90,7 @@ def _run_continuous(target, requests, slots, loop, params, attention, graphs, re
         group = [(i, r) for i, r in enumerate(requests) if r.sampling.greedy == greedy]
         if group:
             done, d = run_slots(target, group, min(slots, len(group)), loop, params, attention, greedy, graphs,
-                                refill_at=refill_at, on_done=on_done, admit_order=admit_order)
+                                refill_at=refill_at, on_done=on_done, admit_order=admit_order, prefixes=store)
             for i, c in done.items():
                 results[i] = c
             decode_s += d

@@ -22,13 +22,16 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
 from jaxspec.serving.batching import batch_shapes, make_batch, plan_batches, stop_plan
+from jaxspec.serving.prefixes import PrefixStore
 from jaxspec.serving.requests import Request
 from jaxspec.serving.prompt_logprobs import with_prompt_logprobs
 from jaxspec.serving.stats import Completion, completion
 
 
-def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop, attention: str):
-    """(request indices, padded batch, begin's static arguments) of each group."""
+def _batches(target: Model, requests: list[Request], groups: list[list[int]], loop, attention: str,
+             prefixes: PrefixStore | None):
+    """(request indices, padded batch, begin's static arguments) of each group; its rows' shared
+    prefixes attached from `prefixes`."""
     out = []
     shapes = batch_shapes([[requests[i] for i in g] for g in groups], loop.slack)
     stops = stop_plan(requests, target)  # one shape for the call: its batches share a loop graph
@@ -36,6 +39,8 @@ def _batches(target: Model, requests: list[Request], groups: list[list[int]], lo
         reqs = [requests[i] for i in group]
         # Whole on every device of the target's mesh: every process passes the same batch.
         batch = replicate(make_batch(reqs, rows, prompt_len, target.config.pad_token_id, stops), target.mesh)
+        if prefixes is not None:
+            batch = prefixes.attach(batch, group, [r.token_ids for r in reqs], capacity)
         out.append((group, batch, dict(loop=loop, capacity=capacity, max_out=max_out,
                                        greedy_only=all(r.sampling.greedy for r in reqs), attention=attention)))
     return out
@@ -89,14 +94,14 @@ def _decode(target: Model, batch, start: dict, params, attention: str, graphs: G
 
 
 def run_static(target: Model, requests: list[Request], max_batch_size: int, loop, params, attention: str,
-               graphs: GraphCache, on_done=None, groups: list[list[int]] | None = None
-               ) -> tuple[list[Completion], float]:
+               graphs: GraphCache, on_done=None, groups: list[list[int]] | None = None,
+               prefixes: PrefixStore | None = None) -> tuple[list[Completion], float]:
     """Decodes `requests` in batches: `groups` (lists of request indices, each at most
     max_batch_size), by default similar prompt lengths together (plan_batches). on_done(pairs,
     decode_s, compile_s) after each batch with its (request index, Completion) pairs. Returns
-    (completions in request order, decode seconds)."""
+    (completions in request order, decode seconds). prefixes: the call's shared prompt prefixes."""
     groups = groups if groups is not None else plan_batches(requests, max_batch_size)
-    batches = _batches(target, requests, groups, loop, attention)
+    batches = _batches(target, requests, groups, loop, attention, prefixes)
     shared = jax.default_backend() != "cpu"  # one loop for the call (see the module docstring)
     compile_s, executables = _precompile(target, batches, params, attention, graphs, shared)
     done: list[Completion | None] = [None] * len(requests)
@@ -107,8 +112,9 @@ def run_static(target: Model, requests: list[Request], max_batch_size: int, loop
         took = time.perf_counter() - t0 - spent
         decode_s += took
         for row, i in enumerate(group):
+            cached = prefixes.cached.get(i, 0) if prefixes else 0
             done[i] = with_prompt_logprobs(target, requests[i], completion(target.tokenizer, requests[i], out, row,
-                                                                           target.config.eos_token_ids))
+                                                                           target.config.eos_token_ids, cached))
         if on_done is not None:
             on_done([(i, done[i]) for i in group], took, spent + compile_s)
         compile_s = 0.0  # the up-front compiles are reported once, with the first batch

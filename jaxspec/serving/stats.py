@@ -31,6 +31,9 @@ class RequestStats(_Rates):
     accepted: int = 0  # draft tokens the target accepted
     accepted_per_position: tuple[int, ...] = ()  # accepted count at draft position 1..K
     drafted_per_position: tuple[int, ...] = ()  # proposals at draft position 1..K
+    # prompt tokens whose keys and values came from a prefix another request of the call ran
+    # (vLLM's num_cached_tokens, OpenAI's usage.prompt_tokens_details.cached_tokens)
+    cached_tokens: int = 0
 
     @property
     def per_position_acceptance(self) -> tuple[float, ...]:
@@ -61,6 +64,9 @@ class CallMetrics(_Rates):
     accepted: int = 0
     graph_cache_hits: int = 0  # graphs this call found compiled already
     graphs_from_disk: int = 0  # of graphs_compiled, those read back from the persistent compilation cache
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens the target's prefills ran (each shared prefix once)
+    cached_tokens: int = 0  # the requests' cached_tokens: prompt tokens a shared prefix spared
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,10 +106,11 @@ class Completions(list):
         self.metrics = metrics
 
 
-def _request_stats(request: Request, out: dict, row: int) -> RequestStats:
+def _request_stats(request: Request, out: dict, row: int, cached_tokens: int) -> RequestStats:
     n = int(out["num_generated"][row])
     if "rounds" not in out:  # plain decoding
-        return RequestStats(prompt_tokens=len(request.token_ids), new_tokens=n, target_steps=n)
+        return RequestStats(prompt_tokens=len(request.token_ids), new_tokens=n, target_steps=n,
+                            cached_tokens=cached_tokens)
     rounds = int(out["rounds"][row])
     per_position = tuple(int(a) for a in out["accepted_per_position"][row])
     depth = len(per_position)  # chain: K; tree: its depth (one path position per level)
@@ -115,12 +122,15 @@ def _request_stats(request: Request, out: dict, row: int) -> RequestStats:
         accepted=sum(per_position),
         accepted_per_position=per_position,
         drafted_per_position=(rounds,) * depth,
+        cached_tokens=cached_tokens,
     )
 
 
-def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[int, ...] = ()) -> Completion:
+def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[int, ...] = (),
+               cached_tokens: int = 0) -> Completion:
     """Row `row` of a decode loop's results (jaxspec.decoding.loop.results, on the host) as the
-    request's Completion; text decoded with `tokenizer` (None: no text). eos_ids: the model's."""
+    request's Completion; text decoded with `tokenizer` (None: no text). eos_ids: the model's.
+    cached_tokens: its prompt tokens a shared prefix spared (RequestStats')."""
     ids = out["out_tokens"][row, : int(out["num_generated"][row])].tolist()
     reason = FINISH_REASONS[int(out["finish"][row])]
     stops = request.sampling
@@ -130,7 +140,7 @@ def completion(tokenizer, request: Request, out: dict, row: int, eos_ids: tuple[
     stop_reason = ids[-1] if by_id else None
     if reason == "stop" and not by_id and ids[-1] not in eos_ids and stops.stop and text is not None:
         text, stop_reason = _before_stop(text, stops.stop)
-    return Completion(text, ids, reason, _request_stats(request, out, row), stop_reason, _logprobs(request, out, row),
+    return Completion(text, ids, reason, _request_stats(request, out, row, cached_tokens), stop_reason, _logprobs(request, out, row),
                       index=request.index)
 
 
