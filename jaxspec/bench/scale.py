@@ -180,7 +180,7 @@ def _prefill_s(model, prompts, max_new: int, slack: int, repeats: int, attention
     prompt_len = bucket(max(len(p) for p in prompts))
     batch = make_batch(reqs, bucket(len(prompts), 1), prompt_len, model.config.pad_token_id)
     cap = cache_capacity(prompt_len, bucket(max_new), slack)
-    f = jax.jit(functools.partial(prefill, config=model.config, capacity=cap, dtype=model.dtype, attention=attention))
+    f = jax.jit(functools.partial(prefill, config=model.config, capacity=cap, attention=attention))
     return best_seconds(lambda: jax.block_until_ready(f(model.weights, batch=batch)), max(repeats, PREFILL_REPEATS))
 
 
