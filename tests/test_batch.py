@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ from jaxspec.defaults import CHECKPOINTS, REPO_ROOT
 from jaxspec.errors import InputError
 from jaxspec.batch import BatchError, JobSettings, read_output, run_job
 from jaxspec.jobs.local import plan_chunks
-from jaxspec.jobs.output import ChunkWriter, repair_tail
+from jaxspec.jobs.durable import repair_tail
+from jaxspec.jobs.output import ChunkWriter
 from jaxspec.jobs.records import Record, build_request, parse_line
 from jaxspec.jobs.metrics_log import read_log
 
@@ -263,6 +265,52 @@ def test_resume_after_a_torn_write_loses_and_repeats_nothing(tmp_path, target, p
     again = run_job(src, out, target, settings=JobSettings(
         max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None))
     assert out.read_bytes() == before and again["this_run"]["records"] == 0 and again["totals"]["ok"] == 10
+
+
+class FullDisk:
+    """`os` for jaxspec.jobs.durable on a disk that fills up during its `fills_at`-th write: half
+    of that write lands, then every write fails with ENOSPC."""
+
+    def __init__(self, fills_at: int):
+        self.calls, self.fills_at = 0, fills_at
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def write(self, fd, data):
+        self.calls += 1
+        if self.calls < self.fills_at:
+            return os.write(fd, data)
+        if self.calls == self.fills_at:
+            return os.write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_stops_the_job_with_whole_lines_and_a_rerun_completes(tmp_path, target, prompts, monkeypatch):
+    src = write_lines(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts[:10])])
+    out, log = tmp_path / "out.jsonl", tmp_path / "out.metrics.jsonl"
+    settings = JobSettings(max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None, metrics_log=log)
+    # Writes go: chunk 1's lines, its metrics line, chunk 2's lines (the disk fills in them), ...
+    monkeypatch.setattr("jaxspec.jobs.durable.os", FullDisk(fills_at=3))
+    with pytest.raises(BatchError) as stop:
+        run_job(src, out, target, settings=settings)
+    assert str(stop.value) == (f"cannot write {out} ({os.strerror(errno.ENOSPC)}): the job stopped with 4 of 10 "
+                               f"records saved whole in {out}; free some space and run the same command again to resume")
+    assert len(by_id(out)) == 4 and out.read_bytes().endswith(b"\n") and len(read_log(log)) == 1
+    # Resumed, the disk fills in the metrics line after its first chunk: those records are kept.
+    monkeypatch.setattr("jaxspec.jobs.durable.os", FullDisk(fills_at=2))
+    with pytest.raises(BatchError, match=f"cannot write {log} .*8 of 10 records saved whole"):
+        run_job(src, out, target, settings=settings)
+    assert len(by_id(out)) == 8 and len(read_log(log)) == 1
+    with open(log, "ab") as f:
+        f.write(b'{"event": "batch", "reco')  # and a kill tore the log's last line
+    monkeypatch.undo()
+    summary = run_job(src, out, target, settings=settings)
+    ref = run_job(src, tmp_path / "ref.jsonl", target, settings=JobSettings(
+        max_new_tokens=MAX_NEW, batch_size=4, progress=False, plot_path=None, metrics_log=None))
+    assert summary["totals"]["ok"] == 10 and summary["missing"] == 0
+    assert {i: r["token_ids"] for i, r in by_id(out).items()} == {i: r["token_ids"] for i, r in by_id(tmp_path / "ref.jsonl").items()}
+    assert ref["totals"]["ok"] == 10 and [e["event"] for e in read_log(log)] == ["batch", "batch", "summary"]
 
 
 def test_refuses_to_append_to_a_file_it_did_not_write(tmp_path, target):

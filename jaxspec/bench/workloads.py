@@ -33,3 +33,24 @@ def write_humaneval_jsonl(path: str | Path, limit: int | None = None, lognormal:
     lines = [json.dumps(r) for r in records]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def write_fewshot_jsonl(path: str | Path, tokenizer, records: int = 48, preamble_tokens: int = 900) -> Path:
+    """A few-shot job: one preamble of about `preamble_tokens` tokens (by `tokenizer`; the last
+    HumanEval stubs, as worked examples) before each of `records` distinct questions (the first
+    HumanEval stubs): {"id": "fewshot/i", "prompt"}. Every record shares the preamble."""
+    path = Path(path)
+    if path.exists():
+        raise InputError(f"{path} already exists; not overwriting it")
+    stubs = load_prompts()
+    if records > len(stubs) // 2:
+        raise InputError(f"records must be at most {len(stubs) // 2}; got {records}")
+    preamble = "# Worked examples.\n"
+    for stub in reversed(stubs[records:]):
+        if len(tokenizer.encode(preamble + stub)) > preamble_tokens:
+            break
+        preamble += stub
+    lines = [json.dumps({"id": f"fewshot/{i}", "prompt": preamble + "\n# Question.\n" + q}) for i, q in enumerate(stubs[:records])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

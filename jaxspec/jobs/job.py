@@ -37,6 +37,7 @@ from jaxspec.jobs import report
 from jaxspec.jobs.canary import (
     candidates, drafts_by_kind, drafts_name, method_fields, pick_sample, run_canary, sample_size,
 )
+from jaxspec.jobs.durable import WriteError, repair_tail
 from jaxspec.jobs.local import run_local
 from jaxspec.jobs.metrics_log import AcceptanceWatch, MetricsLog
 from jaxspec.jobs.output import (
@@ -47,10 +48,9 @@ from jaxspec.jobs.output import (
     ok_line,
     output_key,
     read_output,
-    repair_tail,
 )
 from jaxspec.jobs.ray_workers import check_ray, run_on_ray
-from jaxspec.jobs.records import Record, check_unique, prepare, read_input
+from jaxspec.jobs.records import BatchError, Record, check_unique, prepare, read_input
 from jaxspec.jobs.settings import JobSettings
 from jaxspec.model.loading import Model, check_target
 from jaxspec.serving.generate import check_pair
@@ -115,7 +115,9 @@ def run_job(in_path: str | Path, out_path: str | Path, target: Model, draft=None
     beside plain decoding and n-gram lookup. settings: JobSettings (the
     records' default settings, batch size, scheduler, canary, replicas and outputs).
     Raises BatchError before any work for duplicate input ids or an output it did not write, and
-    InputError for bad job settings; bad records become "error" lines instead.
+    InputError for bad job settings; bad records become "error" lines instead. A file that cannot
+    be written (a full disk) stops the job with a BatchError naming it and the records saved; every
+    line written is whole, and the same call resumes.
     """
     start = time.perf_counter()
     in_path, out_path = Path(in_path), Path(out_path)
@@ -187,17 +189,26 @@ class _Job:
         todo = [r for r in pending if r.error is None]
         self.bar = _Progress(len(pending), self.settings.progress)
         try:
-            failed = [error_line(r) for r in pending if r.error is not None]
-            self.writer.write(failed)
-            self.state.records += len(failed)
-            self.bar.update(len(failed), 0.0, None)
-            if self.canary_methods and todo:
-                todo = self.canary(todo)
-            if todo:
-                self.serve(todo)
-        finally:
-            self.bar.close()
-        return self.finish()
+            try:
+                failed = [error_line(r) for r in pending if r.error is not None]
+                self.writer.write(failed)
+                self.state.records += len(failed)
+                self.bar.update(len(failed), 0.0, None)
+                if self.canary_methods and todo:
+                    todo = self.canary(todo)
+                if todo:
+                    self.serve(todo)
+            finally:
+                self.bar.close()
+            return self.finish()
+        except WriteError as e:  # a full disk: every line written is whole (durable.py); say what is kept
+            raise BatchError(self.stopped(e)) from e
+
+    def stopped(self, e: WriteError) -> str:
+        saved, total = self.skipped + self.state.records, len(self.records)
+        kept = (f"all {total} records are saved in {self.out_path}, but not the job's summary" if saved == total else
+                f"the job stopped with {saved} of {total} records saved whole in {self.out_path}")
+        return f"cannot write {e.path} ({e.strerror}): {kept}; free some space and run the same command again to resume"
 
     def serve(self, todo: list[Record]) -> None:
         """Decodes `todo` with the job's setting on this process's devices or over Ray replicas,

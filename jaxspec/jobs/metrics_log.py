@@ -2,7 +2,9 @@
 
 Each line of the log is one event (`"event": "batch"`, `"canary"`, `"decision"`, `"summary"`)
 carrying the same identifying fields (run id, model id, draft id, method, K), so a log shared by
-many runs can be filtered and plotted with any JSON tool. The log is only ever appended to.
+many runs can be filtered and plotted with any JSON tool. The log is only ever appended to, a
+whole line at a time (a full disk raises WriteError and leaves no torn line; one that a kill left
+is cut when the log is next opened).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+from jaxspec.jobs.durable import append_whole, repair_tail
 from jaxspec.serving.warnings import low_acceptance_message
 
 log = logging.getLogger("jaxspec")
@@ -63,12 +66,17 @@ class MetricsLog:
         self.common = {"run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", **common}
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists() and repair_tail(self.path):
+                log.warning("%s: removed a torn final line left by an interrupted run", self.path)
 
     def write(self, event: str, **fields) -> dict:
         entry = {"time": round(time.time(), 3), "event": event, **self.common, **fields}
         if self.path is not None:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:  # not fsynced: the output file is the record; this log is for watching
+                append_whole(fd, (json.dumps(entry, ensure_ascii=False) + "\n").encode("utf-8"), self.path, sync=False)
+            finally:
+                os.close(fd)
         return entry
 
 

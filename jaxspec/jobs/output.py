@@ -1,5 +1,5 @@
-"""Batch-job output: the crash-safe writer (whole chunks, flushed and fsynced, under a lock),
-resume (a torn final line cut, the ids already written read back) and the output lines (an OpenAI
+"""Batch-job output: the crash-safe writer (whole chunks, fsynced, under a lock; a full disk
+leaves none of a chunk: durable.py), resume (the ids already written read back) and the output lines (an OpenAI
 batch request's in the OpenAI batch output format, jaxspec/jobs/openai_batch.py)."""
 
 from __future__ import annotations
@@ -9,30 +9,8 @@ import os
 from pathlib import Path
 
 from jaxspec.jobs import openai_batch
+from jaxspec.jobs.durable import append_whole
 from jaxspec.jobs.records import MAX_LISTED_DUPLICATES, BatchError, Record
-
-
-def repair_tail(path: Path) -> int:
-    """Truncates a torn final line (a write cut short by a kill); returns the bytes removed."""
-    with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        keep = size
-        while keep > 0:
-            start = max(0, keep - 65536)
-            f.seek(start)
-            block = f.read(keep - start)
-            if keep == size and block.endswith(b"\n"):
-                return 0
-            cut = block.rfind(b"\n")
-            if cut >= 0:
-                keep = start + cut + 1
-                break
-            keep = start
-        if keep < size:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        return size - keep
 
 
 def read_output(path: Path) -> list[dict]:
@@ -68,11 +46,12 @@ def check_output_unique(records: list[dict], path: Path) -> None:
 
 
 class ChunkWriter:
-    """Appends whole chunks of lines: one write, flushed and fsynced, so a crash loses at most the
-    chunk in flight. Holds an exclusive lock so two jobs never append to one file."""
+    """Appends whole chunks of lines: one write, fsynced, so a crash loses at most the chunk in
+    flight, and a full disk none of what was written (WriteError). Holds an exclusive lock so two
+    jobs never append to one file."""
 
     def __init__(self, path: Path):
-        new = not path.exists()
+        self.path, new = path, not path.exists()
         self.f = open(path, "ab")
         try:
             import fcntl
@@ -92,9 +71,8 @@ class ChunkWriter:
 
     def write(self, lines: list[dict]) -> None:
         if lines:
-            self.f.write("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8"))
-            self.f.flush()
-            os.fsync(self.f.fileno())
+            data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8")
+            append_whole(self.f.fileno(), data, self.path)
 
     def close(self) -> None:
         self.f.close()

@@ -20,7 +20,8 @@ MAX_LISTED_DUPLICATES = 20
 
 
 class BatchError(JaxspecError):
-    """The job cannot start: duplicate input ids, or an output file it did not write."""
+    """The job cannot start (duplicate input ids, an output file it did not write) or go on (its
+    output disk is full: what was written is whole, and the same command resumes)."""
 
 
 @dataclasses.dataclass

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from jaxspec.jobs.durable import WriteError
+
 UNVERSIONED = "unversioned"  # the by_prompt_version key of records without a prompt_version
 
 
@@ -60,10 +62,15 @@ def by_prompt_version(records: list[dict]) -> dict:
 
 
 def write_json(path: Path, obj) -> None:
-    """Written to a temporary file then renamed, so a crash never leaves half a summary."""
+    """Written to a temporary file then renamed, so a crash never leaves half a summary; a failed
+    write (a full disk) removes the temporary file and raises WriteError."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, e) from e
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -156,6 +163,11 @@ def plot(summary: dict, batches: list[dict], path: Path) -> Path:
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         ax.set(ylabel=f"tokens/s on {canary['sample_records']} sample records", title=f"Canary: {canary['chosen']}")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.savefig(path)
+    except OSError as e:  # a full disk: no half-written image left behind
+        Path(path).unlink(missing_ok=True)
+        raise WriteError(path, e) from e
+    finally:
+        plt.close(fig)
     return path

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Reuse across a job's records, measured as a user runs `jaxspec batch`: each setting a fresh
+process, timed whole (imports, loading, compiling from a warm compilation cache, decoding), the
+settings alternating, median of --repeats. Prints each run and a table; everything printed is
+measured in this run on this machine.
+
+    python scripts/bench_job_reuse.py --job fewshot [--records 48 --batch-size 16 --max-new-tokens 24]
+
+fewshot: one preamble of about 900 tokens before each of 48 distinct questions
+(jaxspec.bench.workloads.write_fewshot_jsonl); compares shared prefixes on (the default) and off
+(--no-prefix-cache), plain decoding on the embedded target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = {"fewshot": {"shared prefixes": [], "--no-prefix-cache": ["--no-prefix-cache"]}}
+
+
+def write_job(job: str, path: Path, records: int) -> None:
+    from transformers import AutoTokenizer
+
+    from jaxspec.bench.workloads import write_fewshot_jsonl
+    from jaxspec.defaults import CHECKPOINTS
+
+    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINTS / "hf" / "code-target-16m")
+    write_fewshot_jsonl(path, tokenizer, records=records)
+
+
+def run_job(src: Path, out: Path, flags: list[str], args, cache: Path, env: dict) -> dict:
+    for stale in out.parent.glob(f"{out.stem}.*"):
+        stale.unlink()
+    cmd = [sys.executable, "-m", "jaxspec.cli", "batch", str(src), str(out), "--no-draft", "--batch-size",
+           str(args.batch_size), "--max-new-tokens", str(args.max_new_tokens), "--no-progress", "--no-plot",
+           "--compile-cache", str(cache), *flags]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    process_s = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads(out.with_suffix(".summary.json").read_text())
+    t, run = summary["totals"], summary["this_run"]
+    tokens = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    return {"process_s": process_s, "compile_s": run["compile_s"], "decode_s": run["decode_s"],
+            "prompt_tokens": t["prompt_tokens"], "prefill_tokens": t["prefill_tokens"],
+            "cached_tokens": t["cached_tokens"], "tokens": tokens}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", choices=sorted(SETTINGS), default="fewshot")
+    p.add_argument("--records", type=int, default=48)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", help="keep the jobs here (default: a temporary folder)")
+    args = p.parse_args()
+    work = Path(args.out or tempfile.mkdtemp(prefix="reuse-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    src = work / f"{args.job}.jsonl"
+    if not src.exists():
+        write_job(args.job, src, args.records)
+    settings = SETTINGS[args.job]
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
+    for attempt in range(args.repeats + 1):  # the first pass fills each setting's compilation cache
+        for i, (name, flags) in enumerate(settings.items()):
+            got = run_job(src, work / f"out{i}.jsonl", flags, args, work / f"xla{i}", env)
+            print(json.dumps({"setting": name, "pass": attempt, **{k: v for k, v in got.items() if k != "tokens"}}),
+                  flush=True)
+            if attempt:
+                runs[name].append(got)
+    first = next(iter(runs.values()))[0]["tokens"]
+    same = all(r["tokens"] == first for rs in runs.values() for r in rs)
+    base = statistics.median(r["process_s"] for r in runs[next(iter(runs))])
+    print(f"\n{args.job}: {args.records} records, batch {args.batch_size}, {args.max_new_tokens} new tokens each, "
+          f"plain; median of {args.repeats} whole processes (warm compilation cache); outputs identical: {same}")
+    print("| setting | process s | compile s | decode s | prefill tokens | reused tokens | vs first |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("process_s", "compile_s", "decode_s")}
+        print(f"| {name} | {med['process_s']:.1f} | {med['compile_s']:.1f} | {med['decode_s']:.1f} | "
+              f"{rs[0]['prefill_tokens']} of {rs[0]['prompt_tokens']} | {rs[0]['cached_tokens']} | "
+              f"{med['process_s'] / base:.2f}x time |")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
