@@ -176,6 +176,24 @@ def test_chunks_never_span_shape_buckets(target, prompts):
     for c in chunks:
         assert 1 <= len(c) <= 4
         assert len({max(16, 1 << (len(r.request.token_ids) - 1).bit_length()) for r in c}) == 1
+    for r in recs[:10]:  # records of n samples take n rows
+        r.request = build_request({**r.data, "n": 3}, target, JobSettings(max_new_tokens=MAX_NEW).sampling)
+    chunks = plan_chunks(recs, 4)
+    assert sorted(r.line for c in chunks for r in c) == list(range(len(prompts)))
+    assert all(sum(r.request.sampling.n for r in c) <= 4 for c in chunks)
+
+
+def test_n_samples_in_a_static_job_equal_generates(tmp_path, target, prompts):
+    src = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "n": 2 + i % 2, "temperature": 0.8, "seed": i}
+                                              for i, p in enumerate(prompts[:3])])
+    out = tmp_path / "out.jsonl"
+    run_job(src, out, target, settings=JobSettings(max_new_tokens=MAX_NEW, batch_size=4, scheduler="static",
+                                                   progress=False, plot_path=None, metrics_log=None))
+    got = by_id(out)
+    for i, p in enumerate(prompts[:3]):
+        ref = jaxspec.generate([p], target, max_new_tokens=MAX_NEW, n=2 + i % 2, temperature=0.8, seed=i)
+        assert [(o["index"], o["token_ids"], o["text"]) for o in got[str(i)]["outputs"]] == [
+            (r.index, r.token_ids, r.text) for r in ref]
 
 
 def test_chat_messages_are_rendered_with_the_template(tmp_path, target):

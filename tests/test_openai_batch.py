@@ -38,9 +38,12 @@ LINES = [
     request("emb-1", "/v1/embeddings", {"input": "x"}),
     {"method": "POST", "url": "/v1/completions", "body": {"prompt": PROMPT}},
     request("hot-1", "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
-    request("n-1", "/v1/chat/completions", {"messages": MESSAGES, "n": 2}),
+    request("lb-1", "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 1}}),
     {"id": "own-1", "prompt": PROMPT},  # jaxspec's own record format, in the same file
+    request("n-1", "/v1/chat/completions", {"messages": MESSAGES, "n": 2, **SAMPLED}),
+    {"id": "own-n", "prompt": PROMPT, "n": 3, **SAMPLED},
 ]
+SERVED = {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", "n-1", "own-n"}
 # custom_id (or the id of a line without one) -> (error code, a phrase of its message)
 ERRORS = {
     "line:3": ("invalid_json_line", "line 3 is not valid JSON"),
@@ -48,7 +51,7 @@ ERRORS = {
     "emb-1": ("invalid_url", "url must be /v1/chat/completions or /v1/completions"),
     "line:8": ("missing_custom_id", "custom_id is missing"),
     "hot-1": ("invalid_request", "body.temperature must be a finite number >= 0"),
-    "n-1": ("unsupported_parameter", "body.n is not supported yet"),
+    "lb-1": ("unsupported_parameter", "body.logit_bias is not supported yet"),
 }
 
 
@@ -86,7 +89,7 @@ def keyed(out) -> dict:
 
 def test_each_request_answered_once_as_generate_would(job, chat_model):
     got = keyed(job[1])
-    assert set(got) == {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", *ERRORS}
+    assert set(got) == {*SERVED, *ERRORS}
     target = jaxspec.load(chat_model, dtype="float32")
     tok = target.tokenizer
     chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
@@ -145,6 +148,27 @@ def test_stop_strings_and_logprobs_in_openai_layout(job, chat_model):
         assert bytes(c["bytes"]).decode() == c["token"]
 
 
+def test_n_samples_as_choices_and_outputs_equal_generates(job, chat_model):
+    got = keyed(job[1])
+    target = jaxspec.load(chat_model, dtype="float32")
+    tok = target.tokenizer
+    chat_ids = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    ref_chat = jaxspec.generate([chat_ids], target, max_new_tokens=MAX_NEW, n=2, **SAMPLED)
+    ref_own = jaxspec.generate([PROMPT], target, max_new_tokens=MAX_NEW, n=3, **SAMPLED)
+    body = got["n-1"]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in body["choices"]] == [r.token_ids for r in ref_chat]
+    assert [c["message"]["content"] for c in body["choices"]] == [r.text for r in ref_chat]
+    assert body["usage"]["completion_tokens"] == sum(len(r.token_ids) for r in ref_chat)
+    assert body["usage"]["prompt_tokens"] == len(chat_ids)  # the prompt once, as OpenAI counts it
+    own = got["own-n"]
+    assert [o["index"] for o in own["outputs"]] == [0, 1, 2] and "token_ids" not in own
+    assert [o["token_ids"] for o in own["outputs"]] == [r.token_ids for r in ref_own]
+    assert len({tuple(r.token_ids) for r in ref_own}) == 3  # distinct seeded samples
+    assert own["stats"]["new_tokens"] == sum(len(r.token_ids) for r in ref_own)
+
+
 def test_bad_requests_get_error_lines(job):
     got = keyed(job[1])
     for k, (code, phrase) in ERRORS.items():
@@ -158,12 +182,14 @@ def test_summary_and_metrics_log_count_the_requests(job):
     out = job[1]
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     t = summary["totals"]
-    assert (t["records"], t["ok"], t["failed"]) == (len(LINES), 5, len(ERRORS)) and summary["missing"] == 0
+    assert (t["records"], t["ok"], t["failed"]) == (len(LINES), len(SERVED), len(ERRORS)) and summary["missing"] == 0
     got = keyed(out)
-    usage = sum(got[k]["response"]["body"]["usage"]["completion_tokens"] for k in ("chat-1", "cmpl-1", "stop-1", "lp-chat"))
-    assert t["new_tokens"] == usage + len(got["own-1"]["token_ids"])
+    usage = sum(got[k]["response"]["body"]["usage"]["completion_tokens"]
+                for k in ("chat-1", "cmpl-1", "stop-1", "lp-chat", "n-1"))
+    own = len(got["own-1"]["token_ids"]) + sum(len(o["token_ids"]) for o in got["own-n"]["outputs"])
+    assert t["new_tokens"] == usage + own and sum(t["finish_reasons"].values()) == len(SERVED) + 1 + 2  # a sample each
     batches = [e for e in read_log(out.with_suffix(".metrics.jsonl")) if e["event"] == "batch"]
-    assert sum(e["records"] for e in batches) == 5
+    assert sum(e["records"] for e in batches) == len(SERVED)
 
 
 def test_rerun_answers_nothing_twice(job):
@@ -179,7 +205,7 @@ def test_rerun_answers_nothing_twice(job):
     assert cli.main(argv) == 0
     assert out.read_bytes().startswith(kept)
     got = keyed(out)
-    assert set(got) == {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", *ERRORS}
+    assert set(got) == {*SERVED, *ERRORS}
     old = json.loads(lines[chat])["response"]["body"]
     assert got["chat-1"]["response"]["body"]["choices"] == old["choices"]
     summary = json.loads(out.with_suffix(".summary.json").read_text())

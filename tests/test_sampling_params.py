@@ -136,8 +136,6 @@ def test_n_samples_per_prompt_in_prompt_order(model):
     assert len({tuple(t) for t in first}) == 3  # distinct streams
     again = jaxspec.generate(["def f(x):"], model, sampling=SamplingParams(n=3, max_tokens=6, seed=4))
     assert [o.token_ids for o in again] == first  # seeded: reproducible
-    with pytest.raises(jaxspec.InputError, match="n must be 1 for a batch job"):
-        JobSettings(sampling=SamplingParams(n=2))
     with pytest.raises(jaxspec.InputError, match=r"n must be an integer >= 1; got 0"):
         SamplingParams(n=0)
 

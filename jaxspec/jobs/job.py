@@ -10,8 +10,8 @@ answered in the OpenAI batch output format (jaxspec/jobs/openai_batch.py); a fil
 
 Output: one JSON line per input record, in completion order (records are grouped by shape for
 throughput; each line names its "id" and input "line"): "text", "token_ids", "finish_reason",
-"method" and "stats" (the record's acceptance statistics), or "error" for a record that could
-not be served. A line that is not a readable record with an id gets the id "line:N" (N = its
+"method" and "stats" (the record's acceptance statistics); with n > 1 samples, "outputs" (one
+such object per sample) and "stats" summed; or "error" for a record that could not be served. A line that is not a readable record with an id gets the id "line:N" (N = its
 1-based line number in the input).
 
 Crash safety: the records that finished at each return to the host (a static device batch, or
@@ -194,7 +194,7 @@ class _Job:
                 self.writer.write(failed)
                 self.state.records += len(failed)
                 self.bar.update(len(failed), 0.0, None)
-                if self.canary_methods and todo:
+                if self.canary_methods and any(r.request.sampling.n == 1 for r in todo):
                     todo = self.canary(todo)
                 if todo:
                     self.serve(todo)
@@ -221,7 +221,7 @@ class _Job:
         execute(self.target, self.draft, todo, self.settings, self.method, emit)
 
     def commit(self, chunk: list[Record], outs, decode_s: float, compile_s: float, phase: str, worker=None) -> None:
-        """Writes a finished chunk durably, then logs and shows it."""
+        """Writes a finished chunk durably (outs[i]: chunk[i]'s n completions), then logs and shows it."""
         state, method = self.state, method_fields(self.method)
         written = [ok_line(r, c, method["method"], self.target) for r, c in zip(chunk, outs)]
         self.writer.write(written)
@@ -249,8 +249,9 @@ class _Job:
         sample, and returns the records still to do."""
         t0 = time.perf_counter()
         s = self.settings
-        n = sample_size(len(todo), s.auto_sample, s.batch_size)
-        sample = [todo[i] for i in pick_sample([len(r.request.token_ids) for r in todo], n)]
+        single = [r for r in todo if r.request.sampling.n == 1]  # the canary times one row per record
+        n = sample_size(len(single), s.auto_sample, s.batch_size)
+        sample = [single[i] for i in pick_sample([len(r.request.token_ids) for r in single], n)]
 
         def on_pass(trial, number, new_tokens, decode_s, compile_s):
             self.mlog.write(
@@ -279,7 +280,7 @@ class _Job:
         self.state.canary_s = time.perf_counter() - t0
         chosen = self.decision.chosen
         for chunk, outs, best_s in zip(chunks, chosen.outputs, chosen.best_s):
-            self.commit(chunk, outs, best_s, 0.0, "canary")
+            self.commit(chunk, [[c] for c in outs], best_s, 0.0, "canary")
         sampled = {id(r) for r in sample}
         return [r for r in todo if id(r) not in sampled]
 

@@ -17,6 +17,7 @@ import uuid
 from jaxspec.errors import InputError
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.serving.requests import Request, encode_prompt, make_request, render_messages
+from jaxspec.serving.stats import RequestStats
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
@@ -33,6 +34,7 @@ BODY_SETTINGS = {
     "top_k": "top_k",  # vLLM's extra body fields
     "min_p": "min_p",
     "seed": "seed",
+    "n": "n",  # n choices, one sample each (their prompt prefilled once where it is long enough)
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "presence_penalty": "presence_penalty",
@@ -41,10 +43,9 @@ BODY_SETTINGS = {
     "prompt_logprobs": "prompt_logprobs",  # vLLM's extra body field; answered in choices[0].prompt_logprobs
 }
 # Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
-# error line naming the key). Supporting one is moving it into BODY_SETTINGS; n also needs its
-# choices written by ok_line. logprobs / top_logprobs are read by _logprobs.
+# error line naming the key). Supporting one is moving it into BODY_SETTINGS. logprobs /
+# top_logprobs are read by _logprobs.
 NOT_YET = {
-    "n": (None, 1),
     "logit_bias": (None, {}),
 }
 UNNAMED = ("invalid_json_line", "missing_custom_id", "invalid_custom_id")  # parse()'s codes of lines keyed "line:N"
@@ -178,33 +179,37 @@ def error_line(record) -> dict:
             "response": None, "error": {"code": record.error_code or "invalid_request", "message": record.error}}
 
 
-def ok_line(record, completion, method: str, model) -> dict:
-    """The answer in the OpenAI batch output format; jaxspec's own fields under body["jaxspec"].
-    model: the target (its name, and its tokenizer for the logprobs' token strings)."""
-    reason = FINISH_REASONS.get(completion.finish_reason, completion.finish_reason)
-    stop_reason = getattr(completion, "stop_reason", None)
-    if record.data["url"] == CHAT:
-        head = {"id": _id("chatcmpl-"), "object": "chat.completion"}
-        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}}
-    else:
-        head = {"id": _id("cmpl-"), "object": "text_completion"}
-        choice = {"index": 0, "text": completion.text}
-    stats = completion.stats.as_dict()
-    prompt_tokens, new = stats["prompt_tokens"], len(completion.token_ids)
-    ours = {"line": record.line, "method": method, "token_ids": completion.token_ids, "stats": stats}
+def ok_line(record, completions: list, method: str, model) -> dict:
+    """The answer in the OpenAI batch output format, a choice per completion (the body's n);
+    jaxspec's own fields under body["jaxspec"]. model: the target (its name, and its tokenizer for
+    the logprobs' token strings)."""
+    chat = record.data["url"] == CHAT
+    head = {"id": _id("chatcmpl-"), "object": "chat.completion"} if chat else {"id": _id("cmpl-"), "object": "text_completion"}
+    stats = RequestStats.combined([c.stats for c in completions]).as_dict()
+    prompt_tokens, new = completions[0].stats.prompt_tokens, sum(len(c.token_ids) for c in completions)
+    ours = {"line": record.line, "method": method, "stats": stats}
+    if len(completions) == 1:  # n > 1: each choice has its own "token_ids" (vLLM's return_token_ids)
+        ours["token_ids"] = completions[0].token_ids
     if record.prompt_version is not None:
         ours["prompt_version"] = record.prompt_version
     body = {
         **head, "created": int(time.time()), "model": model.name,
-        "choices": [{**choice, "logprobs": _logprobs_out(record.data["url"], completion, record.request.sampling.logprobs,
-                                               model.tokenizer),
-                     "finish_reason": reason, "stop_reason": stop_reason, **_prompt_logprobs(completion)}],
+        "choices": [_choice(record, c, chat, model.tokenizer) | ({"token_ids": c.token_ids} if len(completions) > 1 else {})
+                    for c in completions],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new,
                   "prompt_tokens_details": {"cached_tokens": stats["cached_tokens"]}},
         "jaxspec": ours,
     }
     return {"id": _id("batch_req_"), "custom_id": record.id,
             "response": {"status_code": 200, "request_id": _id("req_"), "body": body}, "error": None}
+
+
+def _choice(record, c, chat: bool, tokenizer) -> dict:
+    text = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+    return {"index": c.index, **text,
+            "logprobs": _logprobs_out(record.data["url"], c, record.request.sampling.logprobs, tokenizer),
+            "finish_reason": FINISH_REASONS.get(c.finish_reason, c.finish_reason), "stop_reason": c.stop_reason,
+            **_prompt_logprobs(c)}
 
 
 def _prompt_logprobs(completion) -> dict:
@@ -255,6 +260,8 @@ def as_result(line: dict) -> dict:
     stats = ours.get("stats") or {"prompt_tokens": usage.get("prompt_tokens", 0), "new_tokens": new,
                                   "target_steps": new, "drafted": 0, "accepted": 0}
     out = {"id": key(line), "finish_reason": body["choices"][0].get("finish_reason"), "stats": stats}
+    if len(body["choices"]) > 1:
+        out["outputs"] = [{"finish_reason": c.get("finish_reason")} for c in body["choices"]]
     if "prompt_version" in ours:
         out["prompt_version"] = ours["prompt_version"]
     return out

@@ -11,6 +11,7 @@ from pathlib import Path
 from jaxspec.jobs import openai_batch
 from jaxspec.jobs.durable import append_whole
 from jaxspec.jobs.records import MAX_LISTED_DUPLICATES, BatchError, Record
+from jaxspec.serving.stats import RequestStats
 
 
 def read_output(path: Path) -> list[dict]:
@@ -91,17 +92,24 @@ def error_line(record: Record) -> dict:
     return {**_head(record), "error": record.error}
 
 
-def ok_line(record: Record, completion, method: str, model=None) -> dict:
-    """A served record's line; model: the target (an OpenAI answer names it and decodes its logprobs' tokens)."""
+def ok_line(record: Record, completions: list, method: str, model=None) -> dict:
+    """A served record's line from its SamplingParams.n completions (index order); model: the
+    target (an OpenAI answer names it and decodes its logprobs' tokens). One sample's fields are
+    the line's own; n > 1 gives "outputs", one such object per sample with its "index", and
+    "stats" summed over them. prompt_logprobs, where asked, are the line's (the prompt's)."""
     if record.openai:
-        return openai_batch.ok_line(record, completion, method, model)
-    return {
-        **_head(record), "text": completion.text, "token_ids": completion.token_ids,
-        "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason, "method": method,
-        "stats": completion.stats.as_dict(),
-        **({"logprobs": _as_json(completion.logprobs)} if completion.logprobs is not None else {}),
-        **({"prompt_logprobs": _as_json(completion.prompt_logprobs)} if completion.prompt_logprobs is not None else {}),
-    }
+        return openai_batch.ok_line(record, completions, method, model)
+    first = completions[0]
+    prompt = {"prompt_logprobs": _as_json(first.prompt_logprobs)} if first.prompt_logprobs is not None else {}
+    if record.request.sampling.n == 1:
+        return {**_head(record), **_sample(first), "method": method, **prompt}
+    return {**_head(record), "outputs": [{"index": c.index, **_sample(c)} for c in completions], "method": method,
+            "stats": RequestStats.combined([c.stats for c in completions]).as_dict(), **prompt}
+
+
+def _sample(c) -> dict:
+    return {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "stats": c.stats.as_dict(), **({"logprobs": _as_json(c.logprobs)} if c.logprobs is not None else {})}
 
 
 def _as_json(entries: list) -> list:

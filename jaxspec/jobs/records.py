@@ -100,9 +100,6 @@ def build_request(data: dict, target: Model, defaults: SamplingParams) -> Reques
     if "prompt_version" in data and not isinstance(data["prompt_version"], str):
         raise InputError(f"prompt_version must be a string; got {data['prompt_version']!r}")
     sampling = defaults.updated({f: data[f] for f in SETTING_FIELDS if f in data})
-    if sampling.n > 1:
-        raise InputError(f"n must be 1 in a batch job's record (one completion per record line); got {sampling.n}: "
-                         "give each sample its own record and seed, or use jaxspec.generate")
     c = target.config
     return make_request(encode_prompt(prompt, target.tokenizer, "prompt"), sampling, c.vocab_size,
                         c.max_position_embeddings, "prompt", target.tokenizer)

@@ -43,7 +43,7 @@ def totals(records: list[dict]) -> dict:
         "tokens_per_step": _ratio(sums["new_tokens"], sums["target_steps"]),
         "prefill_tokens": sums["prompt_tokens"] - sums["cached_tokens"],  # shared prefixes counted once
         "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
-        "finish_reasons": _count(r["finish_reason"] for r in ok),
+        "finish_reasons": _count(o["finish_reason"] for r in ok for o in r.get("outputs", [r])),  # per sample
     }
 
 

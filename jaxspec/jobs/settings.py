@@ -107,8 +107,6 @@ class JobSettings:
         check_int(self.num_draft_tokens, "num_draft_tokens", 1, MAX_DRAFT_TOKENS)
         if not isinstance(self.sampling, SamplingParams):
             raise InputError(f"sampling must be a jaxspec.SamplingParams; got {self.sampling!r}")
-        if self.sampling.n != 1:
-            raise InputError(f"n must be 1 for a batch job (one completion per record); got {self.sampling.n}")
         if not isinstance(self.options, RunOptions):
             raise InputError(f"options must be a RunOptions; got {self.options!r}")
         given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

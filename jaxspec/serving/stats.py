@@ -39,6 +39,19 @@ class RequestStats(_Rates):
     def per_position_acceptance(self) -> tuple[float, ...]:
         return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position))
 
+    @classmethod
+    def combined(cls, parts: list[RequestStats]) -> RequestStats:
+        """Several requests' stats as one (a prompt's n samples): every count summed, prompt tokens
+        too, so prompt_tokens - cached_tokens stays the prefill tokens they ran."""
+        def positions(name):
+            width = max(len(getattr(p, name)) for p in parts)
+            return tuple(sum(getattr(p, name)[j] for p in parts if j < len(getattr(p, name))) for j in range(width))
+
+        counts = ("prompt_tokens", "new_tokens", "target_steps", "drafted", "accepted", "cached_tokens")
+        return cls(**{f: sum(getattr(p, f) for p in parts) for f in counts},
+                   accepted_per_position=positions("accepted_per_position"),
+                   drafted_per_position=positions("drafted_per_position"))
+
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.update(
