@@ -13,7 +13,7 @@ from pathlib import Path
 from jaxspec import compile_cache
 from jaxspec.bench.main import add_bench_args, run_bench
 from jaxspec.checks import int_list, int_list_or_none
-from jaxspec.decoding.method import DecodeMethod, settings_from_cli
+from jaxspec.decoding.method import NAMED_KINDS, DecodeMethod, settings_from_cli
 from jaxspec.decoding.method import add_cli_args as add_method_args
 from jaxspec.defaults import CHECKPOINTS, DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model
 from jaxspec.distributed import add_parallel_args, initialize, is_main_process
@@ -75,9 +75,9 @@ def add_request_args(p: argparse.ArgumentParser, tree: bool = True) -> None:
 
 
 def load_draft(args, path):
-    """--draft: "ngram" (n-gram lookup settings, checked), or a draft model folder."""
-    if path == "ngram":
-        return settings_from_cli(args, "ngram")
+    """--draft: "ngram" / "suffix" (lookup settings, checked), or a draft model folder."""
+    if path in NAMED_KINDS:
+        return settings_from_cli(args, path)
     return load(path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel, quantize=args.draft_quantize)
 
 
@@ -176,8 +176,9 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", metavar="OUT.jsonl", help="output records (appended to; a rerun resumes)")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
     p.add_argument("--draft", action="append",
-                   help='draft model or EAGLE-3 head folder, or "ngram" for n-gram lookup (default: the embedded '
-                        "code-draft-4m); with --auto, repeat it (a draft model and a head) for the canary to choose")
+                   help='draft model or EAGLE-3 head folder, "ngram" for n-gram lookup, or "suffix" for lookup in the '
+                        "record and the job's earlier prompts and outputs (default: the embedded code-draft-4m); with "
+                        "--auto, repeat it (a draft model, a head, suffix) for the canary to choose")
     p.add_argument("--no-draft", action="store_true", help="plain decoding: no draft model")
     p.add_argument("--batch-size", type=int, default=8,
                    help="records decoded at once: continuous slots or static batch rows (default 8)")
@@ -288,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", help="JSONL file with a \"prompt\" field per line, appended to PROMPTs")
     p.add_argument("--target", help="target model folder (default: the embedded code-target-16m)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    p.add_argument("--draft", help='draft model or EAGLE-3 head folder, or "ngram" for n-gram lookup in the prompt '
-                                   "and output: decode speculatively (default: plain decoding)")
+    p.add_argument("--draft", help='draft model or EAGLE-3 head folder, "ngram" for n-gram lookup in the prompt '
+                                   'and output, or "suffix" for lookup in all the prompts and finished outputs too: '
+                                   "decode speculatively (default: plain decoding)")
     p.add_argument("--compare-plain", action="store_true",
                    help="also decode plainly and print the measured speedup and whether the output is identical")
     add_request_args(p)

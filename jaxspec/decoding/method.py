@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxspec.checks import check_int
-from jaxspec.decoding import draft_model, eagle, ngram
+from jaxspec.decoding import draft_model, eagle, ngram, suffix
 from jaxspec.decoding.drafting import DrafterKind
 from jaxspec.decoding.plain import PlainLoop
 from jaxspec.decoding.speculative import SpeculativeLoop
@@ -20,7 +20,7 @@ from jaxspec.errors import InputError
 from jaxspec.model.loading import Model
 
 # The registry of drafter kinds, by DecodeMethod.kind.
-DRAFTERS: dict[str, DrafterKind] = {k.kind: k for k in (draft_model.KIND, ngram.KIND, eagle.KIND)}
+DRAFTERS: dict[str, DrafterKind] = {k.kind: k for k in (draft_model.KIND, ngram.KIND, eagle.KIND, suffix.KIND)}
 
 DEFAULT_NUM_DRAFT = 3  # drafted tokens per round when none is given: generate, the CLI and batch jobs
 MAX_DRAFT_TOKENS = 32  # one static graph per K; past this a chain only wastes verify work
@@ -74,12 +74,14 @@ class DecodeMethod:
         a draft model's chain of k or `tree`, an EAGLE-3 head, an Ngram -> lookup with it)."""
         if draft is None:
             return cls("plain", tree=tree)
+        if isinstance(draft, str):
+            draft = named_draft(draft)
         for row in DRAFTERS.values():
             if isinstance(draft, row.takes):
                 if row.settings is not None and isinstance(draft, row.settings):
                     settings = draft
                 return cls(row.kind, k, tree, settings)
-        raise InputError(f'draft must be a model from jaxspec.load, "ngram" or None; got {draft!r}')
+        raise InputError(f"draft must be a model from jaxspec.load, {NAMED} or None; got {draft!r}")
 
     @property
     def row(self) -> DrafterKind | None:
@@ -134,6 +136,18 @@ class DecodeMethod:
             return PlainLoop(target.config), None
         drafter, params = self.drafter(draft, target)
         return SpeculativeLoop(target.config, drafter), params
+
+
+# The kinds that draft without a model, named by a string: draft="ngram", "suffix".
+NAMED_KINDS = tuple(k for k, row in DRAFTERS.items() if row.settings is not None and row.takes is row.settings)
+NAMED = " or ".join(f'"{k}"' for k in NAMED_KINDS)
+
+
+def named_draft(name: str, settings=None):
+    """draft="ngram" / "suffix" -> that kind's settings (`settings` when given, else its defaults)."""
+    if name not in NAMED_KINDS:
+        raise InputError(f"draft must be a model from jaxspec.load, {NAMED} or None; got {name!r}")
+    return settings if settings is not None else DRAFTERS[name].settings()
 
 
 def add_cli_args(parser, tree: bool = True) -> None:

@@ -173,8 +173,8 @@ def _decide(trials: list[Trial], min_speedup: float) -> tuple[Trial, str]:
 
 
 def drafts_by_kind(draft) -> dict:
-    """A job's drafts by the decode-method kind that runs each ("draft", "eagle", "ngram"): one
-    draft (a draft model, an EAGLE-3 head, "ngram" or Ngram settings), or a list of them with at
+    """A job's drafts by the decode-method kind that runs each ("draft", "eagle", "ngram", "suffix"):
+    one draft (a draft model, an EAGLE-3 head, "ngram" / Ngram or "suffix" / Suffix settings), or a list of them with at
     most one of each kind, for the canary to choose among; None: {}."""
     drafts = {}
     for d in draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]:
@@ -182,7 +182,7 @@ def drafts_by_kind(draft) -> dict:
         if kind == "plain":
             raise InputError("draft: None in a list of drafts; leave it out")
         if kind in drafts:
-            raise InputError(f"draft: at most one draft model, one EAGLE-3 head and one n-gram setting; "
+            raise InputError(f"draft: at most one draft model, one EAGLE-3 head, one n-gram and one suffix setting; "
                              f"got {_name(drafts[kind])} and {_name(d)}")
         drafts[kind] = d
     return drafts
@@ -211,6 +211,10 @@ def candidates(draft, settings) -> list[DecodeMethod]:
     ngram = drafts.get("ngram")
     methods += [DecodeMethod("ngram", k, settings=ngram if isinstance(ngram, Ngram) else None)
                 for k in settings.auto_ngram_ks]
+    if "suffix" in drafts:  # suffix drafting, when given, at the n-gram lookup's Ks
+        suffix = drafts["suffix"]
+        methods += [DecodeMethod("suffix", k, settings=None if isinstance(suffix, str) else suffix)
+                    for k in settings.auto_ngram_ks]
     return list(dict.fromkeys(methods))
 
 

@@ -7,7 +7,7 @@ import logging
 from typing import Sequence
 
 from jaxspec.checks import check_int
-from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, DecodeMethod
+from jaxspec.decoding.method import DEFAULT_NUM_DRAFT, DRAFTERS, NAMED_KINDS, DecodeMethod, named_draft
 from jaxspec.decoding.ngram import Ngram
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
@@ -39,12 +39,8 @@ def build_requests(prompts, model: Model, sampling: SamplingParams | Sequence[Sa
 
 
 def resolve_draft(draft, settings=None):
-    """A draft model as it is; "ngram" -> the n-gram settings (`settings`, or the defaults)."""
-    if isinstance(draft, str):
-        if draft != "ngram":
-            raise InputError(f'draft must be a model from jaxspec.load, "ngram" or None; got {draft!r}')
-        return settings if settings is not None else Ngram()
-    return draft
+    """A draft model as it is; "ngram" / "suffix" -> that kind's settings (`settings`, or the defaults)."""
+    return named_draft(draft, settings) if isinstance(draft, str) else draft
 
 
 # generate's shorthand keywords by the value each one sets (SamplingParams' fields are its own).
@@ -68,8 +64,9 @@ def split_shorthand(keywords: dict) -> tuple[dict, dict, dict]:
 def _method(draft, keywords: dict) -> tuple[object, DecodeMethod]:
     """(the draft, its DecodeMethod) from generate's draft and method keywords."""
     ngram_keys = {k: keywords.pop(k) for k in ("ngram_min", "ngram_max", "ngram_branches") if k in keywords}
-    draft = resolve_draft(draft, Ngram(**{k.replace("ngram_branches", "branches"): v for k, v in ngram_keys.items()})
-                          if ngram_keys else None)
+    if ngram_keys and draft in NAMED_KINDS:  # "ngram" or "suffix" with lookup settings
+        draft = DRAFTERS[draft].settings(**{k.replace("ngram_branches", "branches"): v for k, v in ngram_keys.items()})
+    draft = resolve_draft(draft)
     return draft, DecodeMethod.of(draft, keywords.get("num_draft_tokens", DEFAULT_NUM_DRAFT), keywords.get("tree"))
 
 
@@ -107,9 +104,10 @@ def generate(
     output token for token, and sampled output is distributed exactly as the target's sampling.
 
     prompts: strings (tokenized with the target's tokenizer) or lists of token ids.
-    draft: a draft model sharing the target's vocabulary, an EAGLE-3 head, or "ngram" (prompt
+    draft: a draft model sharing the target's vocabulary, an EAGLE-3 head, "ngram" (prompt
     lookup: the tokens that followed the most recent earlier occurrence of the row's last tokens;
-    jaxspec.ngram.Ngram for its settings).
+    jaxspec.ngram.Ngram for its settings) or "suffix" (the same lookup in the call's other
+    prompts and finished outputs too; jaxspec.suffix.Suffix).
     sampling: a jaxspec.SamplingParams for every prompt, or a list of one per prompt (vLLM's
     fields and defaults). Without it: greedy, 128 new tokens, seed 0.
     method: a jaxspec.DecodeMethod (kind, K, tree, the drafter's settings); default: the draft's,
@@ -138,7 +136,7 @@ def generate(
     if method is None:
         draft, method = _method(draft, method_keys)
     else:
-        draft = resolve_draft(draft, method.settings if method.kind == "ngram" else None)
+        draft = resolve_draft(draft, method.settings if method.kind in NAMED_KINDS else None)
     options = (options or RunOptions()).updated(run_keys)
     check_pair(target, draft, method)
     requests = build_requests(prompts, target, with_keywords(sampling, sampling_keys, len(prompts)))

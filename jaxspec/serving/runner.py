@@ -8,6 +8,7 @@ import time
 
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.penalties import any_penalty
+from jaxspec.decoding.suffix import SuffixCorpus
 from jaxspec.decoding.trees import chain
 from jaxspec.errors import InputError
 from jaxspec.graphs import GraphCache
@@ -46,6 +47,9 @@ def run(
     if isinstance(draft, (Model, EagleHead)):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's
     loop, params = method.loop(target, draft)
+    if isinstance(params, SuffixCorpus):  # suffix drafting reads the call's text: prompts, then outputs as they finish
+        params.add(_first_fitting([r.token_ids for r in requests], params.size // 2))
+        on_done = _adding_outputs(params, requests, on_done)
     asked = [r.sampling.logprobs for r in requests if r.sampling.logprobs is not None]
     if asked:  # the loop records the most alternatives any request asks for (one graph for the call)
         loop = dataclasses.replace(loop, logprobs=max(asked))
@@ -79,6 +83,26 @@ def run(
         prefill_tokens=prompt_tokens - (store.reused - store.computed if store else 0),
         cached_tokens=sum(c.stats.cached_tokens for c in results),
     ))
+
+
+def _first_fitting(documents: list, budget: int) -> list:
+    """The first documents whose tokens (and separators) fit in `budget`."""
+    out = []
+    for d in documents:
+        budget -= len(d) + 1
+        if budget < 0:
+            break
+        out.append(d)
+    return out
+
+
+def _adding_outputs(corpus: SuffixCorpus, requests: list[Request], on_done):
+    """on_done that first adds each finished request's prompt and output to the suffix corpus."""
+    def done(pairs, decode_s, compile_s):
+        corpus.add([list(requests[i].token_ids) + list(c.token_ids) for i, c in pairs])
+        if on_done is not None:
+            on_done(pairs, decode_s, compile_s)
+    return done
 
 
 def _run_continuous(target, requests, slots, loop, params, attention, graphs, refill_at, on_done,
