@@ -1,8 +1,11 @@
-"""Benchmark workloads: chat-like budget mixes and the repository's HumanEval prompts as a batch job."""
+"""Benchmark workloads: chat-like budget mixes and the repository's HumanEval prompts as batch jobs
+(as they are, behind one shared few-shot preamble, or as near-duplicates)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,4 +56,32 @@ def write_fewshot_jsonl(path: str | Path, tokenizer, records: int = 48, preamble
     lines = [json.dumps({"id": f"fewshot/{i}", "prompt": preamble + "\n# Question.\n" + q}) for i, q in enumerate(stubs[:records])]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def renamed(stub: str, variant: int) -> str:
+    """A HumanEval stub as another author might write it: its last function and that function's
+    arguments renamed (everywhere in the stub, docstring and examples included), after a comment
+    line naming the variant."""
+    fn = [node for node in ast.parse(stub).body if isinstance(node, ast.FunctionDef)][-1]
+    names = {fn.name: f"{fn.name}_v{variant}"}
+    names.update({a.arg: f"{a.arg}_{variant}" for a in fn.args.args})
+    text = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], stub)
+    return f"# Variant {variant} of {fn.name}.\n{text}"
+
+
+def write_near_duplicate_jsonl(path: str | Path, stubs: int = 64, variants: int = 2, seed: int = 0) -> Path:
+    """A job of near-duplicate records: each of the first `stubs` HumanEval stubs as `variants`
+    renamed versions (renamed()), in a fixed-seed random order; no two records identical.
+    {"id": "neardup/i/v", "prompt"}."""
+    path = Path(path)
+    if path.exists():
+        raise InputError(f"{path} already exists; not overwriting it")
+    prompts = load_prompts(limit=stubs)
+    records = [{"id": f"neardup/{i}/{v}", "prompt": renamed(p, v)} for i, p in enumerate(prompts) for v in range(variants)]
+    if len({r["prompt"] for r in records}) != len(records):
+        raise AssertionError("two near-duplicate records came out identical")
+    order = np.random.default_rng(seed).permutation(len(records))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(records[i]) + "\n" for i in order), encoding="utf-8")
     return path
