@@ -134,7 +134,7 @@ def test_one_compiled_loop(real_pair):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(draft="ngrams"), 'draft must be a model from jaxspec.load, "ngram" or None'),
+    (dict(draft="ngrams"), 'draft must be a model from jaxspec.load, "ngram", "suffix" or None'),
     (dict(draft="ngram", ngram_min=3, ngram_max=2), r"ngram_min \(3\) must not exceed ngram_max \(2\)"),
     (dict(draft="ngram", ngram_max=0), r"ngram_max must be an integer in \[1, 16\]"),
     (dict(draft="ngram", ngram_branches=8, num_draft_tokens=8), "a round drafts at most 63 tokens; ngram K=8 x8 drafts 64"),

@@ -63,7 +63,7 @@ def test_decode_methods_name_and_check_themselves():
     ]:
         with pytest.raises(InputError, match=match):
             DecodeMethod(**kw)
-    with pytest.raises(InputError, match='draft must be a model from jaxspec.load, "ngram" or None; got 3'):
+    with pytest.raises(InputError, match='draft must be a model from jaxspec.load, "ngram", "suffix" or None; got 3'):
         DecodeMethod.of(3)
 
 

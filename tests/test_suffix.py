@@ -26,13 +26,42 @@ from jaxspec.suffix import Suffix
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def test_lookup_matches_a_python_reference_over_corpus_then_row():
+def bucket(newest_first: list[int], table_size: int) -> int:
+    return sum(t * pow(0x01000193, j, 1 << 32) for j, t in enumerate(newest_first)) % (1 << 32) & (table_size - 1)
+
+
+def reference_corpus(corpus: list[int], seq: list[int], k: int, table_size: int):
+    """(length, continuation) of the deepest of 16, 8, 4 last tokens of `seq` whose bucket's most
+    recent corpus n-gram (separator-free, followed by a token) is that n-gram; (0, None) if none."""
+    for depth in (16, 8, 4):
+        if len(seq) < depth:
+            continue
+        want = seq[-depth:]
+        ends = [e for e in range(depth - 1, len(corpus) - 1)
+                if min(corpus[e - depth + 1 : e + 2]) >= 0
+                and bucket(corpus[e - depth + 1 : e + 1][::-1], table_size) == bucket(want[::-1], table_size)]
+        if ends and corpus[max(ends) - depth + 1 : max(ends) + 1] == want:
+            e = max(ends)
+            return depth, [corpus[e + 1 + i] if e + 1 + i < len(corpus) else SEPARATOR for i in range(k)]
+    return 0, None
+
+
+def reference_row(seq: list[int], lo: int, hi: int, k: int):
+    """(length, continuation) of n-gram lookup in the row (test_ngram's reference, with its length)."""
+    for size in range(min(hi, len(seq) - 1), lo - 1, -1):
+        if any(seq[end - size + 1 : end + 1] == seq[-size:] for end in range(len(seq) - 2, size - 2, -1)):
+            return size, reference_proposal(seq, lo, hi, k)
+    return 0, reference_proposal(seq, lo, hi, k)
+
+
+def test_lookup_matches_a_python_reference_over_corpus_and_row():
     rng = np.random.default_rng(1)
-    for trial in range(30):
-        lo, hi, k = [(1, 3, 4), (2, 5, 3), (1, 8, 5)][trial % 3]
-        vocab = int(rng.integers(2, 6))
-        corpus = SuffixCorpus.empty(48)
-        corpus.add([rng.integers(0, vocab, int(rng.integers(1, 20))).tolist() for _ in range(3)])
+    from_corpus = 0
+    for trial in range(40):
+        k = [4, 3, 5][trial % 3]
+        vocab = int(rng.integers(2, 4))  # few symbols: 4- and 8-token matches are common
+        corpus = SuffixCorpus.empty(64)
+        corpus.add([rng.integers(0, vocab, int(rng.integers(1, 24))).tolist() for _ in range(3)])
         b, width = 4, 30
         history = rng.integers(0, vocab, (b, width)).astype(np.int32)
         n = rng.integers(2, width + 1, b).astype(np.int32)
@@ -40,13 +69,15 @@ def test_lookup_matches_a_python_reference_over_corpus_then_row():
         r = Round(n=jnp.asarray(n), prev=jnp.asarray(history[np.arange(b), n - 2]),
                   last=jnp.asarray(history[np.arange(b), n - 1]), keys=None, sampling=None, greedy_only=True,
                   attention="xla")
-        tokens = np.asarray(SuffixDrafter(k, 1, lo, hi).propose(corpus, jnp.asarray(masked), r)[0])
+        tokens = np.asarray(SuffixDrafter(k, 1, 1, 3).propose(corpus, jnp.asarray(masked), r)[0])
         for row in range(b):
             seq = history[row, : n[row]].tolist()
-            # The reference searches the corpus (separators never match) and the row as one text;
-            # a continuation into a separator repeats the row's last token.
-            want = [t if t != SEPARATOR else seq[-1] for t in reference_proposal(corpus.host.tolist() + seq, lo, hi, k)]
+            depth, other = reference_corpus(corpus.host.tolist(), seq, k, corpus.tables.shape[1])
+            length, own = reference_row(seq, 1, 3, k)
+            want = [t if t != SEPARATOR else seq[-1] for t in other] if depth > length else own
+            from_corpus += depth > length
             assert tokens[row].tolist() == [seq[-1], *want], (trial, row)
+    assert from_corpus > 20  # the corpus' matches were exercised
 
 
 def test_the_corpus_keeps_the_newest_tokens_within_its_bound():
@@ -64,14 +95,15 @@ def test_the_corpus_keeps_the_newest_tokens_within_its_bound():
 
 
 def test_greedy_equals_plain_and_drafts_from_finished_outputs(real_pair, humaneval20):
-    """Three prompts, then the same three again, through two slots in arrival order: the second
-    round's rows find the first round's outputs in the corpus."""
+    """Three prompts, then the same three again, through one slot in arrival order: the second
+    round's rows find the first round's outputs in the corpus (a finished output reaches it at
+    the next return to the host)."""
     target = real_pair[0]
     requests = build_requests(humaneval20[:3] * 2, target, SamplingParams(temperature=0.0, max_tokens=32, seed=0))
 
     def decode(draft):
         method = DecodeMethod.of(draft, 4)
-        return run(target, requests, 2, method, draft, scheduler="continuous", admit_order="arrival")
+        return run(target, requests, 1, method, draft, scheduler="continuous", admit_order="arrival")
 
     plain, ngram, suffix = decode(None), decode(Ngram()), decode(Suffix())
     assert [o.token_ids for o in suffix] == [o.token_ids for o in plain] == [o.token_ids for o in ngram]

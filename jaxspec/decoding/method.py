@@ -140,7 +140,7 @@ class DecodeMethod:
 
 # The kinds that draft without a model, named by a string: draft="ngram", "suffix".
 NAMED_KINDS = tuple(k for k, row in DRAFTERS.items() if row.settings is not None and row.takes is row.settings)
-NAMED = " or ".join(f'"{k}"' for k in NAMED_KINDS)
+NAMED = ", ".join(f"\"{k}\"" for k in NAMED_KINDS)
 
 
 def named_draft(name: str, settings=None):

@@ -54,6 +54,11 @@ def match_lengths(history: jnp.ndarray, n: jnp.ndarray, ngram_max: int) -> jnp.n
 def continuations(history, n, ngram_min: int, ngram_max: int, k: int, candidates: int):
     """The continuations of the `candidates` best matches (longest first, then most recent):
     (tokens [b, candidates, k], found [b, candidates] bool)."""
+    return ranked_continuations(history, n, ngram_min, ngram_max, k, candidates)[:2]
+
+
+def ranked_continuations(history, n, ngram_min: int, ngram_max: int, k: int, candidates: int):
+    """continuations' (tokens, found) and each match's length [b, candidates] (0: none)."""
     L = history.shape[1]
     length = match_lengths(history, n, ngram_max)
     score = jnp.where(length >= ngram_min, length * L + jnp.arange(L)[None, :], -1)
@@ -63,7 +68,7 @@ def continuations(history, n, ngram_min: int, ngram_max: int, k: int, candidates
     period = n[:, None, None] - 1 - end[..., None]  # >= 1
     at = end[..., None] + 1 + jnp.arange(k)[None, None, :] % period  # [b, c, k], all < n
     tokens = jnp.take_along_axis(history[:, None, :], jnp.clip(at, 0, L - 1), axis=2)
-    return tokens, found
+    return tokens, found, jnp.where(found, best // L, 0)
 
 
 def distinct(tokens: jnp.ndarray, found: jnp.ndarray, branches: int) -> jnp.ndarray:
