@@ -15,7 +15,7 @@ import jaxspec
 from jaxspec import cli
 from jaxspec.batch import JobSettings, read_output, run_job
 from jaxspec.decoding.drafting import Round
-from jaxspec.decoding.suffix import SEPARATOR, SuffixCorpus, SuffixDrafter
+from jaxspec.decoding.suffix import CORPUS_DEPTHS, SEPARATOR, SuffixCorpus, SuffixDrafter
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.ngram import Ngram
 from jaxspec.sampling_params import SamplingParams
@@ -31,9 +31,9 @@ def bucket(newest_first: list[int], table_size: int) -> int:
 
 
 def reference_corpus(corpus: list[int], seq: list[int], k: int, table_size: int):
-    """(length, continuation) of the deepest of 16, 8, 4 last tokens of `seq` whose bucket's most
+    """(length, continuation) of the deepest CORPUS_DEPTHS last tokens of `seq` whose bucket's most
     recent corpus n-gram (separator-free, followed by a token) is that n-gram; (0, None) if none."""
-    for depth in (16, 8, 4):
+    for depth in CORPUS_DEPTHS:
         if len(seq) < depth:
             continue
         want = seq[-depth:]
@@ -59,7 +59,7 @@ def test_lookup_matches_a_python_reference_over_corpus_and_row():
     from_corpus = 0
     for trial in range(40):
         k = [4, 3, 5][trial % 3]
-        vocab = int(rng.integers(2, 4))  # few symbols: 4- and 8-token matches are common
+        vocab = int(rng.integers(2, 5))  # few symbols: 4- and 8-token matches are common
         corpus = SuffixCorpus.empty(64)
         corpus.add([rng.integers(0, vocab, int(rng.integers(1, 24))).tolist() for _ in range(3)])
         b, width = 4, 30
