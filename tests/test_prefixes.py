@@ -27,6 +27,11 @@ def test_plan_shares_each_prompts_deepest_common_whole_blocks():
     kept = plan_prefixes(prompts, block=16, min_saved=20)  # the second saves 16 tokens: dropped
     assert kept.entries == (tuple(A[:32]),) and set(kept.of) == {0, 1}
     assert plan_prefixes(prompts, block=16, min_saved=1, max_entries=1).entries == kept.entries
+    # The store's shape (bucketed rows x width) stays within max_tokens: 1 x 32 fits 32, 2 x 32 does not.
+    assert plan_prefixes(prompts, block=16, min_saved=1, max_tokens=63).entries == kept.entries
+    assert plan_prefixes(prompts, block=16, min_saved=1, max_tokens=64).entries == plan.entries
+    with pytest.raises(jaxspec.InputError, match=r"prefix_cache_tokens must be an integer >= 16"):
+        jaxspec.RunOptions(prefix_cache_tokens=8)
     assert plan_prefixes([A + [1], [5] + A], block=16, min_saved=1).entries == ()
 
 

@@ -55,7 +55,7 @@ def test_decode_methods_name_and_check_themselves():
     assert DecodeMethod("ngram", 4).settings == Ngram()
     assert len({DecodeMethod("draft", 3), DecodeMethod("draft", 3), DecodeMethod("ngram", 3)}) == 2
     for kw, match in [
-        (dict(kind="medusa"), "decode method kind must be one of plain, draft, ngram, eagle; got 'medusa'"),
+        (dict(kind="medusa"), "decode method kind must be one of plain, draft, ngram, eagle, suffix; got 'medusa'"),
         (dict(kind="draft", k=0), r"num_draft_tokens must be an integer in \[1, 32\]; got 0"),
         (dict(kind="plain", tree="sparse"), "tree needs a draft model"),
         (dict(kind="ngram", k=2, tree="sparse"), "tree is for a draft model or an EAGLE-3 head; ngram builds its own"),

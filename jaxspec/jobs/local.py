@@ -59,7 +59,8 @@ def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod,
             spent[:] = [0.0, 0.0]
 
     options = dict(attention=settings.options.attention_impl,  # the fused kernel on GPUs (XLA's on the CPU)
-                   prefix_cache=settings.options.prefix_cache, on_done=on_done)
+                   prefix_cache=settings.options.prefix_cache, prefix_cache_tokens=settings.options.prefix_cache_tokens,
+                   on_done=on_done)
     requests = [sample for _, sample in rows]
     if settings.scheduler == "continuous":
         run(target, requests, settings.batch_size, method, draft, scheduler="continuous", refill_at=settings.refill_at,

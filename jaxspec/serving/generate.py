@@ -143,7 +143,8 @@ def generate(
     # Past one batch, slots are refilled as rows finish rather than waiting for a batch's longest.
     scheduler = "continuous" if len(requests) > max_batch_size else "static"
     outs = run(target, requests, max_batch_size, method, draft, attention=options.attention_impl,
-               scheduler=scheduler, graphs=graphs, prefix_cache=options.prefix_cache)
+               scheduler=scheduler, graphs=graphs, prefix_cache=options.prefix_cache,
+               prefix_cache_tokens=options.prefix_cache_tokens)
     warn_if_low(outs, method, draft, target, options.warn_below_acceptance)
     return outs
 

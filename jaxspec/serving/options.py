@@ -8,9 +8,10 @@ import dataclasses
 
 import jax
 
-from jaxspec.checks import check_number
+from jaxspec.checks import check_int, check_number
 from jaxspec.errors import InputError
 from jaxspec.model.forward import ATTENTION_IMPLS
+from jaxspec.serving.prefixes import PREFIX_BLOCK, PREFIX_CACHE_TOKENS
 from jaxspec.serving.warnings import DEFAULT_WARN_BELOW
 
 ATTENTION_CHOICES = ("auto", "xla", "pallas")
@@ -24,12 +25,14 @@ class RunOptions:
     warn_below_acceptance: log a warning when a call's acceptance rate falls below it.
     prefix_cache: prompts that begin with the same blocks of tokens (a system prompt, a few-shot
     preamble, the n samples of one prompt) prefill them once (serving/prefixes.py); the output is
-    the same without it."""
+    the same without it. prefix_cache_tokens: the bound on those prefixes' cache (the store's
+    rows x width, in tokens); the prefixes that spare most are kept within it."""
 
     attention: str = "auto"
     deterministic: bool = False
     warn_below_acceptance: float = DEFAULT_WARN_BELOW
     prefix_cache: bool = True
+    prefix_cache_tokens: int = PREFIX_CACHE_TOKENS
 
     def __post_init__(self):
         for name in ("deterministic", "prefix_cache"):
@@ -41,6 +44,7 @@ class RunOptions:
         if self.attention not in ("auto", *ATTENTION_IMPLS):
             raise InputError(f"attention must be one of auto, {', '.join(ATTENTION_IMPLS)}; got {self.attention!r}")
         check_number(self.warn_below_acceptance, "warn_below_acceptance", "in [0, 1]", lambda x: 0 <= x <= 1)
+        check_int(self.prefix_cache_tokens, "prefix_cache_tokens", PREFIX_BLOCK)
 
     @property
     def attention_impl(self) -> str:
@@ -65,10 +69,14 @@ class RunOptions:
         parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                             help="prefill every prompt whole, rather than shared prefixes once (for comparison: "
                                  "the output is the same)")
+        parser.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
+                            help="the most cache the shared prefixes may hold, in tokens (default "
+                                 f"{PREFIX_CACHE_TOKENS}); those that spare most are kept")
 
     @classmethod
     def from_cli(cls, args) -> "RunOptions":
-        return cls(getattr(args, "attention", "auto"), args.deterministic, args.warn_below_acceptance, args.prefix_cache)
+        return cls(getattr(args, "attention", "auto"), args.deterministic, args.warn_below_acceptance, args.prefix_cache,
+                   args.prefix_cache_tokens)
 
     def updated(self, values: dict) -> "RunOptions":
         return dataclasses.replace(self, **values) if values else self

@@ -8,7 +8,8 @@ The plan is a trie over blocks of PREFIX_BLOCK tokens: each prompt shares the de
 that another prompt of the call reaches too (a partial match counts to its last whole block), and
 always runs at least its last token itself (its logits start the decode). A prefix is kept when
 it saves at least MIN_SAVED tokens of prefill (it costs a graph of its own), the MAX_ENTRIES
-that save most. Output is the same with sharing on or off: a prefix's keys and values are
+that save most, as many as fit in `max_tokens` (RunOptions.prefix_cache_tokens: the store's
+rows x width, its device memory in tokens of cache). Output is the same with sharing on or off: a prefix's keys and values are
 computed as a prefill computes them (bit for bit in deterministic mode, which fixes every sum by
 absolute position; in float32 to rounding, as any two batch shapes)."""
 
@@ -31,6 +32,7 @@ from jaxspec.serving.batching import bucket, cache_capacity
 PREFIX_BLOCK = 16  # tokens: prefixes are shared in whole blocks
 MIN_SAVED = 256  # prefill tokens a prefix must save to be kept
 MAX_ENTRIES = 64  # prefixes kept per call, the ones that save most
+PREFIX_CACHE_TOKENS = 32768  # the store's default bound, in cache tokens (4 GiB of bf16 keys and values at Llama-3.1-8B's shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,7 @@ class PrefixPlan:
 
 
 def plan_prefixes(prompts: list[list[int]], block: int = PREFIX_BLOCK, min_saved: int = MIN_SAVED,
-                  max_entries: int = MAX_ENTRIES) -> PrefixPlan:
+                  max_entries: int = MAX_ENTRIES, max_tokens: int = PREFIX_CACHE_TOKENS) -> PrefixPlan:
     """The shared prefixes of `prompts` (token id lists, one per request)."""
     children: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent node, block) -> node; the root is 0
     passing, depth = [0], [0]  # per node: prompts through it, its blocks
@@ -63,7 +65,11 @@ def plan_prefixes(prompts: list[list[int]], block: int = PREFIX_BLOCK, min_saved
         if shared:
             users.setdefault(shared[-1], []).append(i)
     saved = {node: (len(who) - 1) * depth[node] * block for node, who in users.items()}
-    kept = sorted((n for n in users if saved[n] >= min_saved), key=lambda n: -saved[n])[:max_entries]
+    kept, width = [], 0
+    for n in sorted((n for n in users if saved[n] >= min_saved), key=lambda n: -saved[n])[:max_entries]:
+        if bucket(len(kept) + 1, 1) * bucket(max(width, depth[n] * block)) <= max_tokens:  # the store's shape
+            kept.append(n)
+            width = max(width, depth[n] * block)
     entries = tuple(tuple(prompts[users[n][0]][:depth[n] * block]) for n in kept)
     of = {i: (e, len(entries[e])) for e, n in enumerate(kept) for i in users[n]}
     return PrefixPlan(entries, of)
@@ -131,8 +137,9 @@ class PrefixStore:
         return batch.replace(prefix=PrefixUse(*use, store=self.cache))
 
 
-def prefix_store(target: Model, prompts: list[list[int]], attention: str, graphs: GraphCache
-                 ) -> PrefixStore | None:
-    """The call's store of shared prefixes, or None where no prefix is worth sharing."""
-    plan = plan_prefixes(prompts)
+def prefix_store(target: Model, prompts: list[list[int]], attention: str, graphs: GraphCache,
+                 max_tokens: int = PREFIX_CACHE_TOKENS) -> PrefixStore | None:
+    """The call's store of shared prefixes (at most max_tokens of cache), or None where no prefix
+    is worth sharing."""
+    plan = plan_prefixes(prompts, max_tokens=max_tokens)
     return PrefixStore(target, plan, attention, graphs) if plan.entries else None

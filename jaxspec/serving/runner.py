@@ -15,7 +15,7 @@ from jaxspec.graphs import GraphCache
 from jaxspec.model.eagle import EagleHead
 from jaxspec.model.loading import Model, replicated_on
 from jaxspec.serving.continuous import ADMIT_ORDERS, run_slots
-from jaxspec.serving.prefixes import prefix_store
+from jaxspec.serving.prefixes import PREFIX_CACHE_TOKENS, prefix_store
 from jaxspec.serving.requests import Request
 from jaxspec.serving.static import run_static
 from jaxspec.serving.stats import CallMetrics, Completion, Completions
@@ -27,7 +27,7 @@ def run(
     target: Model, requests: list[Request], max_batch_size: int, method: DecodeMethod = DecodeMethod(),
     draft: Model | None = None, *, attention: str = "xla", scheduler: str = "static", refill_at: int | None = None,
     on_done=None, admit_order: str = "longest", graphs: GraphCache | None = None,
-    groups: list[list[int]] | None = None, prefix_cache: bool = True,
+    groups: list[list[int]] | None = None, prefix_cache: bool = True, prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
 ) -> Completions:
     """Decodes all requests (results in their order) by `method` (its draft model: `draft`).
     scheduler "static": padded batches of up to max_batch_size, each run until its longest row
@@ -57,7 +57,7 @@ def run(
         loop = dataclasses.replace(loop, penalties=True)
     start, before = time.perf_counter(), graphs.counts()
     shares = prefix_cache and not getattr(loop, "feature_layers", ())
-    store = prefix_store(target, [r.token_ids for r in requests], attention, graphs) if shares else None
+    store = prefix_store(target, [r.token_ids for r in requests], attention, graphs, prefix_cache_tokens) if shares else None
     if scheduler == "static":
         results, decode_s = run_static(target, requests, max_batch_size, loop, params, attention, graphs, on_done,
                                        groups, store)
