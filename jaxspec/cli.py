@@ -151,11 +151,9 @@ OpenAI batch files (the OpenAI Batch API's and vllm run-batch's) run unchanged: 
 answered in the OpenAI batch output format ({"id", "custom_id", "response": {"status_code",
 "request_id", "body": a chat.completion or text_completion}, "error"}). The body's max_tokens /
 max_completion_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs /
-top_logprobs, presence_penalty, frequency_penalty, repetition_penalty, prompt_logprobs and n
-(n choices) are used; one it leaves out takes the options below (an omitted max_tokens is
---max-new-tokens), not OpenAI's defaults. logit_bias is not supported yet: such a request gets an
-error line.
-A bad request gets an error line and the job goes on.
+top_logprobs, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, prompt_logprobs
+and n (n choices) are used; one it leaves out takes the options below (an omitted max_tokens is
+--max-new-tokens), not OpenAI's defaults. A bad request gets an error line and the job goes on.
 
 Rerunning the same command after a crash resumes: ids (custom_ids) already in OUT.jsonl are
 skipped. Writes OUT.summary.json, OUT.png and OUT.metrics.jsonl beside the output and prints the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from typing import Sequence
 
@@ -84,6 +85,37 @@ def _stop_token_ids(v, name):
     return tuple(check_int(t, f"{name} entry", 0) for t in v)
 
 
+LOGIT_BIAS_LIMIT = 100  # OpenAI's range for a bias: [-100, 100]
+
+
+def _logit_bias(v, name):
+    """None or {token id: bias} (ids as ints or, as JSON object keys are, decimal strings; biases
+    in [-100, 100]) -> ((id, bias), ...) sorted by id (hashable, like every field)."""
+    if v is None:
+        return ()
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in v):
+        items = list(v)
+    else:
+        raise InputError(f"{name} must be an object of token ids to biases, e.g. {{\"50256\": -100}}; got {v!r}")
+    out = {}
+    for key, bias in items:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = check_int(token, f"{name} key", 0, note=" (a token id)")
+        out[token] = check_number(bias, f"{name}[{key!r}]", f"a number in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}]",
+                                  lambda b: abs(b) <= LOGIT_BIAS_LIMIT)
+    return tuple(sorted(out.items()))
+
+
+def _json_object(text: str) -> dict:
+    """--logit-bias '{"50256": -100}' (argparse type; checked with the other values)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"50256\": -100}}', got {text!r}") from None
+
+
 def _id_list(text: str) -> list[int]:
     """--stop-token-ids 2,7 (argparse type; checked with the other values)."""
     try:
@@ -146,6 +178,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = setting(
         (), _stop_token_ids, "token ids that end a request when generated (besides the model's EOS ids), "
         "comma-separated; finish_reason 'stop', stop_reason the id", cli={"type": _id_list})
+    logit_bias: tuple[tuple[int, float], ...] = setting(
+        (), _logit_bias, "added to these tokens' logits before penalties, temperature and the filters: a JSON object "
+        "of token ids to biases in [-100, 100] (OpenAI's rule)", cli={"type": _json_object})
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

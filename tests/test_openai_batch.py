@@ -38,12 +38,13 @@ LINES = [
     request("emb-1", "/v1/embeddings", {"input": "x"}),
     {"method": "POST", "url": "/v1/completions", "body": {"prompt": PROMPT}},
     request("hot-1", "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
-    request("lb-1", "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 1}}),
+    request("lb-1", "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 8, "7": -100}}),
+    request("lb-bad", "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"x": 1}}),
     {"id": "own-1", "prompt": PROMPT},  # jaxspec's own record format, in the same file
     request("n-1", "/v1/chat/completions", {"messages": MESSAGES, "n": 2, **SAMPLED}),
     {"id": "own-n", "prompt": PROMPT, "n": 3, **SAMPLED},
 ]
-SERVED = {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", "n-1", "own-n"}
+SERVED = {"chat-1", "cmpl-1", "own-1", "stop-1", "lp-chat", "n-1", "own-n", "lb-1"}
 # custom_id (or the id of a line without one) -> (error code, a phrase of its message)
 ERRORS = {
     "line:3": ("invalid_json_line", "line 3 is not valid JSON"),
@@ -51,7 +52,7 @@ ERRORS = {
     "emb-1": ("invalid_url", "url must be /v1/chat/completions or /v1/completions"),
     "line:8": ("missing_custom_id", "custom_id is missing"),
     "hot-1": ("invalid_request", "body.temperature must be a finite number >= 0"),
-    "lb-1": ("unsupported_parameter", "body.logit_bias is not supported yet"),
+    "lb-bad": ("invalid_request", "body.logit_bias key must be an integer >= 0 (a token id); got 'x'"),
 }
 
 
@@ -148,7 +149,7 @@ def test_stop_strings_and_logprobs_in_openai_layout(job, chat_model):
         assert bytes(c["bytes"]).decode() == c["token"]
 
 
-def test_n_samples_as_choices_and_outputs_equal_generates(job, chat_model):
+def test_n_samples_and_logit_bias_equal_generates(job, chat_model):
     got = keyed(job[1])
     target = jaxspec.load(chat_model, dtype="float32")
     tok = target.tokenizer
@@ -162,6 +163,9 @@ def test_n_samples_as_choices_and_outputs_equal_generates(job, chat_model):
     assert [c["message"]["content"] for c in body["choices"]] == [r.text for r in ref_chat]
     assert body["usage"]["completion_tokens"] == sum(len(r.token_ids) for r in ref_chat)
     assert body["usage"]["prompt_tokens"] == len(chat_ids)  # the prompt once, as OpenAI counts it
+    ref_bias = jaxspec.generate([chat_ids], target, max_new_tokens=MAX_NEW, logit_bias={5: 8, 7: -100})[0]
+    biased = got["lb-1"]["response"]["body"]["jaxspec"]["token_ids"]
+    assert biased == ref_bias.token_ids and 7 not in biased
     own = got["own-n"]
     assert [o["index"] for o in own["outputs"]] == [0, 1, 2] and "token_ids" not in own
     assert [o["token_ids"] for o in own["outputs"]] == [r.token_ids for r in ref_own]
@@ -185,7 +189,7 @@ def test_summary_and_metrics_log_count_the_requests(job):
     assert (t["records"], t["ok"], t["failed"]) == (len(LINES), len(SERVED), len(ERRORS)) and summary["missing"] == 0
     got = keyed(out)
     usage = sum(got[k]["response"]["body"]["usage"]["completion_tokens"]
-                for k in ("chat-1", "cmpl-1", "stop-1", "lp-chat", "n-1"))
+                for k in ("chat-1", "cmpl-1", "stop-1", "lp-chat", "n-1", "lb-1"))
     own = len(got["own-1"]["token_ids"]) + sum(len(o["token_ids"]) for o in got["own-n"]["outputs"])
     assert t["new_tokens"] == usage + own and sum(t["finish_reasons"].values()) == len(SERVED) + 1 + 2  # a sample each
     batches = [e for e in read_log(out.with_suffix(".metrics.jsonl")) if e["event"] == "batch"]

@@ -50,9 +50,12 @@ def pair(tmp_path_factory):
 
 
 def penalize(logits, tokens, s: SamplingParams):
-    """logits [n, V] after the prompt + generated tokens [n, L]: vLLM's penalties, written out here
-    (repetition over prompt and output, HF's rule; presence and frequency over the output, OpenAI's)."""
+    """logits [n, V] after the prompt + generated tokens [n, L]: vLLM's logit bias and penalties,
+    written out here (the bias first; repetition over prompt and output, HF's rule; presence and
+    frequency over the output, OpenAI's)."""
     vocab = jnp.arange(logits.shape[-1])
+    for token, bias in s.logit_bias:
+        logits = logits.at[:, token].add(bias)
     counts = jnp.sum(tokens[:, len(PROMPT):, None] == vocab, axis=1)
     seen = (counts > 0) | jnp.any(tokens[:, : len(PROMPT), None] == vocab, axis=1)
     r = s.repetition_penalty
@@ -120,12 +123,12 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
 
 
 PENALIZED = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.6, presence_penalty=0.5,
-                           frequency_penalty=0.4)
+                           frequency_penalty=0.4, logit_bias={2: 1.5, 9: -2.0})
 
 
 @pytest.mark.parametrize("tree", [None, (-1, 0, 0, 1)], ids=["chain", "tree"])
 def test_penalties_and_min_p_keep_speculative_sampling_exact(pair, tree):
-    """The penalties read the drafted tokens before each position along its path: the joint of
+    """The penalties (and a logit bias) read the drafted tokens before each position along its path: the joint of
     tokens 2 and 3 (whose penalties depend on tokens 1 and 2) is still the target's. The chain's
     samples are one request's n (SamplingParams.n): each of its streams samples the target too."""
     target, draft = pair
@@ -136,7 +139,8 @@ def test_penalties_and_min_p_keep_speculative_sampling_exact(pair, tree):
 def test_the_test_sees_penalties_left_out(pair):
     """Without the penalties the joint differs from the penalized one: the test above could fail."""
     target, draft = pair
-    plain = dataclasses.replace(PENALIZED, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    plain = dataclasses.replace(PENALIZED, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                                logit_bias=())
     counts, probs = sampled_joint(target, draft, plain), exact_joint(target, PENALIZED)
     try:
         pvalue = chi2_pvalue(counts, probs)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
-from jaxspec.decoding.penalties import penalized, penalty_buffers, prompt_tokens
+from jaxspec.decoding.penalties import penalized, penalty_buffers, penalty_start
 from jaxspec.decoding.sampling import row_keys, sample_tokens
 from jaxspec.decoding.state import (
     FINISH_PADDING,
@@ -36,6 +36,7 @@ class DecodeState:
     out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
     token_counts: jnp.ndarray  # [b, v] int32 output counts (penalties.py), [b, 0] when no row has a penalty
     in_prompt: jnp.ndarray  # [b, v] bool, [b, 0] likewise
+    logit_bias: jnp.ndarray  # [b, v] float32, [b, 0] likewise
 
 
 def _record(loop: "PlainLoop", state: DecodeState, logits, scored, token: jnp.ndarray, batch: Batch) -> DecodeState:
@@ -80,14 +81,14 @@ class PlainLoop:
             **penalty_buffers(b, c.vocab_size, self.penalties),
         )
         if self.penalties:
-            state = state.replace(in_prompt=prompt_tokens(batch.tokens, batch.prompt_lens, c.vocab_size))
+            state = state.replace(**penalty_start(batch, c.vocab_size))
         scored = self._scored(logits, state, batch)
         first = sample_tokens(scored, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
         return _record(self, state, logits, scored, first, batch)
 
     def _scored(self, logits, s: DecodeState, batch: Batch):
-        """The logits that tokens are drawn from: penalized when a row has a penalty."""
-        return penalized(logits, s.token_counts, s.in_prompt, batch.sampling) if self.penalties else logits
+        """The logits that tokens are drawn from: biased and penalized when a row has a bias or a penalty."""
+        return penalized(logits, s.token_counts, s.in_prompt, s.logit_bias, batch.sampling) if self.penalties else logits
 
     def fits(self, s: DecodeState, batch: Batch) -> jnp.ndarray:
         """[b]: a step has room in the cache (running rows only matter)."""

@@ -22,7 +22,7 @@ from flax import struct
 from jaxspec.decoding.acceptance import accept_greedy, accept_sampling
 from jaxspec.decoding.drafting import Drafter, Round
 from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
-from jaxspec.decoding.penalties import penalized, penalized_nodes, penalty_buffers, prompt_tokens
+from jaxspec.decoding.penalties import penalized, penalized_nodes, penalty_buffers, penalty_start
 from jaxspec.decoding.sampling import (
     SamplingArrays,
     filtered_logits,
@@ -64,6 +64,7 @@ class SpecState:
     out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
     token_counts: jnp.ndarray  # [b, v] int32 output counts (penalties.py), [b, 0] when no row has a penalty
     in_prompt: jnp.ndarray  # [b, v] bool, [b, 0] likewise
+    logit_bias: jnp.ndarray  # [b, v] float32, [b, 0] likewise
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
 
@@ -82,7 +83,7 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,
     the path's features [b, D+1, F] at features_at (forward's), or None without, and the logits
     [b, t, v] of every node, raw and as scored). penalties: (output counts [b, v], prompt tokens
-    [b, v]) to penalize each node's logits with, its path's drafts counted (penalties.py)."""
+    [b, v], biases [b, v]) to penalize each node's logits with, its path's drafts counted (penalties.py)."""
     t, D = plan.size, plan.max_depth
     is_chain = plan.parents == chain(t - 1)
     cache = cache.replace(lengths=n - 1)
@@ -164,9 +165,9 @@ class SpeculativeLoop:
         layers = self.feature_layers
         logits, t_cache, *features = prefill(weights, c, batch, capacity, layers, attention, batch.prefix)
         zeros = jnp.zeros((b,), jnp.int32)
-        in_prompt = prompt_tokens(batch.tokens, batch.prompt_lens, c.vocab_size) if self.penalties else None
-        scored = penalized(logits, jnp.zeros((b, c.vocab_size), jnp.int32), in_prompt, batch.sampling) \
-            if self.penalties else logits
+        rules = penalty_start(batch, c.vocab_size) if self.penalties else None
+        scored = penalized(logits, jnp.zeros((b, c.vocab_size), jnp.int32), rules["in_prompt"], rules["logit_bias"],
+                           batch.sampling) if self.penalties else logits
         first = sample_tokens(scored, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
         extra = {"features": features[0]} if layers else {}
         state = SpecState(
@@ -184,7 +185,7 @@ class SpeculativeLoop:
             **penalty_buffers(b, c.vocab_size, self.penalties),
         )
         if self.penalties:
-            state = state.replace(in_prompt=in_prompt)
+            state = state.replace(**rules)
         return commit_tokens(state, first[:, None], jnp.ones_like(first), batch, c.eos_token_ids,
                              self._per_token(logits[:, None], scored[:, None], first[:, None], batch))[0]
 
@@ -207,7 +208,7 @@ class SpeculativeLoop:
         tokens, q, draft = drafter.propose(params, s.draft, r)
         accepted, emitted, path, t_cache, features, logits, scored = verify(
             weights, c, plan, s.target_cache, tokens, q, n, keys[:, t - 1 :], batch.sampling, greedy_only, attention,
-            self.feature_layers, (s.token_counts, s.in_prompt) if self.penalties else None)
+            self.feature_layers, (s.token_counts, s.in_prompt, s.logit_bias) if self.penalties else None)
         # emitted[:, j] was drawn from the verify pass's logits at the path's node j
         on_path = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)  # noqa: E731
         per_token = self._per_token(on_path(logits), on_path(scored), emitted, batch)

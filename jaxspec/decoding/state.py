@@ -34,6 +34,8 @@ class Batch:
     stop_ids: jnp.ndarray  # [b, S] int32: each row's stop token ids, -1 past them
     stop_sets: jnp.ndarray  # [b] int32: each row's set of stop strings in stop_tables (0: none)
     stop_tables: "Shared"  # [sets, states, v] the call's stop-string automata (stop_strings.py)
+    bias_ids: jnp.ndarray  # [b, B] int32: each row's logit_bias token ids, -1 past them ([b, 0]: none in the call)
+    bias_values: jnp.ndarray  # [b, B] float32: their biases
     prefix: "PrefixUse | None" = None  # rows whose prompt starts with a prefix prefilled once
 
 

@@ -72,10 +72,12 @@ def token_table(stops: tuple[str, ...], vocab: tuple[bytes, ...]) -> np.ndarray:
 class StopPlan:
     """A call's stops, one shape for every batch of the call (so its batches share graphs): the
     stop-id slots per row (id_width) and its distinct stop-string sets' tables, stacked, with each
-    set's number. With no stop strings the table is one zero ([1, 1, 1]: any gather reads 0)."""
+    set's number. With no stop strings the table is one zero ([1, 1, 1]: any gather reads 0).
+    bias_width: the call's logit-bias slots per row (0 when no request has a logit_bias), carried
+    here as the other per-token rule of the call's shape."""
 
-    def __init__(self, stop_sets=(), vocab: tuple[bytes, ...] | None = None, id_width: int = 1):
-        self.id_width = id_width
+    def __init__(self, stop_sets=(), vocab: tuple[bytes, ...] | None = None, id_width: int = 1, bias_width: int = 0):
+        self.id_width, self.bias_width = id_width, bias_width
         self.index = {(): 0}
         for s in stop_sets:
             self.index.setdefault(tuple(s), len(self.index))

@@ -37,16 +37,11 @@ BODY_SETTINGS = {
     "n": "n",  # n choices, one sample each (their prompt prefilled once where it is long enough)
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
+    "logit_bias": "logit_bias",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",  # vLLM's extra body field
     "prompt_logprobs": "prompt_logprobs",  # vLLM's extra body field; answered in choices[0].prompt_logprobs
-}
-# Body keys the engine cannot honour yet -> the values that leave them off (anything else is an
-# error line naming the key). Supporting one is moving it into BODY_SETTINGS. logprobs /
-# top_logprobs are read by _logprobs.
-NOT_YET = {
-    "logit_bias": (None, {}),
 }
 UNNAMED = ("invalid_json_line", "missing_custom_id", "invalid_custom_id")  # parse()'s codes of lines keyed "line:N"
 FINISH_REASONS = {"eos": "stop"}  # the engine's older name; "stop" and "length" pass through
@@ -81,17 +76,8 @@ def parse(obj: dict | None, line: int, error: str | None = None) -> dict:
     return dict(line=line, key=cid, id=cid, data=obj)
 
 
-def _off(value, offs) -> bool:
-    """value is one of `offs`, bools apart (a completions logprobs of 0 still asks for logprobs)."""
-    return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in offs)
-
-
 def sampling_of(body: dict, url: str, defaults: SamplingParams) -> SamplingParams:
     """The body's settings (BODY_SETTINGS) over the job's defaults; errors name the body key."""
-    for key, offs in NOT_YET.items():
-        if key in body and not _off(body[key], offs):
-            raise RequestError(f"body.{key} is not supported yet (got {json.dumps(body[key])}); leave it out",
-                               "unsupported_parameter")
     checks = {f.name: f.metadata["check"] for f in dataclasses.fields(SamplingParams)}
     given = {}
     for key, field in BODY_SETTINGS.items():

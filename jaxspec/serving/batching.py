@@ -55,7 +55,8 @@ def stop_plan(requests: list[Request], model=None) -> StopPlan:
     sets = [r.sampling.stop for r in requests if r.sampling.stop]
     vocab = _token_bytes(model.tokenizer, model.config.vocab_size) if sets else None
     width = bucket(max((len(r.sampling.stop_token_ids) for r in requests), default=1), 1)
-    return StopPlan(sets, vocab, width)
+    biased = max((len(r.sampling.logit_bias) for r in requests), default=0)
+    return StopPlan(sets, vocab, width, bucket(biased, 1) if biased else 0)
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,6 +75,8 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
     lens = np.zeros(batch_size, np.int32)
     max_new = np.ones(batch_size, np.int32)
     seeds = np.zeros(batch_size, np.uint32)
+    bias_ids = np.full((batch_size, stops.bias_width), -1, np.int32)
+    bias_values = np.zeros((batch_size, stops.bias_width), np.float32)
     for i, r in enumerate(requests):
         tokens[i, : len(r.token_ids)] = r.token_ids
         lens[i] = len(r.token_ids)
@@ -81,8 +84,11 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
         seeds[i] = r.seed
         stop_ids[i, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
         stop_sets[i] = stops.set_of(r.sampling.stop)
+        for j, (token, bias) in enumerate(r.sampling.logit_bias):
+            bias_ids[i, j], bias_values[i, j] = token, bias
     sampling = SamplingArrays(row_values([r.sampling for r in requests], batch_size))
-    return Batch(tokens, lens, max_new, sampling, seeds, stop_ids, stop_sets, Shared(stops.tables))
+    return Batch(tokens, lens, max_new, sampling, seeds, stop_ids, stop_sets, Shared(stops.tables), bias_ids,
+                 bias_values)
 
 
 def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:

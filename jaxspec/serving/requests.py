@@ -82,6 +82,9 @@ def make_request(prompt_ids, sampling: SamplingParams, vocab_size: int, context:
     ids = check_token_ids(prompt_ids, vocab_size, context, sampling.max_tokens, field)
     if sampling.stop and tokenizer is None:
         raise InputError("stop strings need the model's tokenizer, and this model has none; use stop_token_ids")
+    for t, _ in sampling.logit_bias:
+        if t >= vocab_size:
+            raise InputError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
     for t in sampling.stop_token_ids:
         if t >= vocab_size:
             raise InputError(f"stop_token_ids contains token id {t} outside the vocabulary [0, {vocab_size})")
