@@ -19,11 +19,14 @@ from jaxspec.decoding.sampling import SamplingArrays, filtered_logits
 from jaxspec.decoding.state import prefill
 from jaxspec.decoding.tree_verify import TreePlan, move_path
 from jaxspec.decoding.trees import Tree, ancestor_mask, chain
+from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import forward
 from jaxspec.model.loading import Model
 from jaxspec.model.weights import Weights
+
+CATCH_UP_CHUNK = 16  # tokens per draft pass when a paused draft model catches up (adaptive K)
 
 
 def _pick(logits: jnp.ndarray, sampling: SamplingArrays, keys: jnp.ndarray, greedy_only: bool):
@@ -135,6 +138,12 @@ class ModelDrafter:
     def is_chain(self) -> bool:
         return self.tree == chain(len(self.tree) - 1)
 
+    def with_k(self, k: int) -> "ModelDrafter":
+        """The chain of k (adaptive K's loops); a named tree has no K to vary."""
+        if not self.is_chain:
+            raise InputError("adaptive K varies a chain's length; a draft tree is fixed (drop tree=)")
+        return dataclasses.replace(self, tree=chain(k))
+
     def init(self, weights: Weights, batch, capacity: int, max_out: int, first: jnp.ndarray) -> KVCache:
         return prefill(weights, self.config, batch, capacity)[1]  # whole: the shared prefixes are the target's
 
@@ -147,8 +156,35 @@ class ModelDrafter:
                           r.keys, r.greedy_only, r.attention)
 
     def commit(self, weights: Weights, cache: KVCache, r: Round, path, emitted, kept) -> KVCache:
-        # A chain's accepted drafts already sit in place; a tree's path moves there.
-        return cache if self.is_chain else move_path(cache, r.n - 1, path)
+        # A chain's accepted drafts already sit in place; a tree's path moves there. The cache then
+        # holds s[0 .. n + kept - 2) at least: its lengths say so, for catch_up after a pause.
+        cache = cache if self.is_chain else move_path(cache, r.n - 1, path)
+        return cache.replace(lengths=r.n + kept - 2)
+
+    def follow(self, weights: Weights, cache: KVCache, r: Round, path, emitted, kept) -> KVCache:
+        """A paused round (adaptive K at 0, decoding/adaptive.py) runs no draft pass: the cache
+        falls behind, its lengths marking how far it is whole."""
+        return cache
+
+    def catch_up(self, weights: Weights, cache: KVCache, out_tokens, prompt_lens, n, running) -> KVCache:
+        """Runs the draft over the tokens committed while paused, CATCH_UP_CHUNK at a time, so
+        each running row's cache holds s[0 .. n - 2) again (a round re-reads s[n-2] and s[n-1])."""
+        chunk = min(CATCH_UP_CHUNK, out_tokens.shape[1])  # prompt + max_out fit the cache: so does a chunk
+        behind = lambda c: running & (c.lengths < n - 2)  # noqa: E731
+
+        def step(c):
+            lag = behind(c)
+            # Never before the prompt's end (the slots keep no prompt) nor past the cache's end: a
+            # chunk started earlier rewrites committed tokens with their own keys and values.
+            start = jnp.maximum(jnp.minimum(c.lengths, c.capacity - chunk), prompt_lens)
+            at = start[:, None] - prompt_lens[:, None] + jnp.arange(chunk)[None, :]
+            tokens = jnp.take_along_axis(out_tokens, jnp.minimum(at, out_tokens.shape[1] - 1), axis=1)
+            _, moved = forward(weights, self.config, tokens, c.replace(lengths=start),
+                               logits_at=jnp.zeros(start.shape, jnp.int32))
+            # Slots from n - 2 on got tokens not yet final there: a round rewrites them before reading.
+            return moved.replace(lengths=jnp.where(lag, jnp.minimum(start + chunk, n - 2), c.lengths))
+
+        return jax.lax.while_loop(lambda c: jnp.any(behind(c)), step, cache)
 
 
 KIND = DrafterKind(

@@ -99,6 +99,10 @@ class NgramDrafter:
     def tree(self) -> Tree:
         return ngram_tree(self.k, self.branches)
 
+    def with_k(self, k: int) -> "NgramDrafter":
+        """The same lookup proposing k tokens per branch (adaptive K's loops)."""
+        return dataclasses.replace(self, k=k)
+
     def init(self, params, batch, capacity: int, max_out: int, first: jnp.ndarray) -> jnp.ndarray:
         # As wide as the cache (>= prompt + max_out), so batches of any prompt bucket share one shape.
         b, p = batch.tokens.shape

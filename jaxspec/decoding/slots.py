@@ -48,3 +48,9 @@ def admit(weights, params, state, slots_batch, new_batch, slots, *, loop, capaci
 def take_rows(fields: dict, rows: jnp.ndarray) -> dict:
     """Rows `rows` of each field, as new arrays (rows has a fixed length: one graph per job)."""
     return {f: a[rows] for f, a in fields.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
+def resume(params, slots_batch, state, *, loop):
+    """loop.resume: a drafter that fell behind during paused rounds (adaptive K at 0) catches up."""
+    return loop.resume(params, slots_batch, state)

@@ -67,6 +67,7 @@ class SpecState:
     logit_bias: jnp.ndarray  # [b, v] float32, [b, 0] likewise
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
+    drafted_per_position: jnp.ndarray  # [b, D] rounds that drafted position / depth j + 1 (adaptive K varies it)
 
 
 def _target_distribution(logits: jnp.ndarray, sampling: SamplingArrays) -> jnp.ndarray:
@@ -134,7 +135,7 @@ class SpeculativeLoop:
 
     @property
     def result_fields(self) -> tuple[str, ...]:
-        fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position")
+        fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position", "drafted_per_position")
         return fields + (LOGPROB_FIELDS if self.logprobs >= 0 else ())
 
     def _per_token(self, logits, scored, chosen, batch: Batch) -> dict | None:
@@ -181,6 +182,7 @@ class SpeculativeLoop:
             stop_state=zeros,
             rounds=zeros,
             accepted_per_position=jnp.zeros((b, D), jnp.int32),
+            drafted_per_position=jnp.zeros((b, D), jnp.int32),
             **logprob_buffers(b, max_out, self.logprobs),
             **penalty_buffers(b, c.vocab_size, self.penalties),
         )
@@ -220,7 +222,9 @@ class SpeculativeLoop:
         rows = jnp.arange(b)
         prev = jnp.where(kept > 0, all_tokens[rows, jnp.maximum(kept - 1, 0)], s.prev_token)
         last = jnp.where(kept > 0, all_tokens[rows, kept], s.last_token)
-        at_depth = jnp.arange(D)[None, :] < accepted[:, None]
+        # The state's depth may exceed this loop's: adaptive K's loops share the widest one's state.
+        depth = jnp.arange(s.accepted_per_position.shape[1])[None, :]
+        at_depth = depth < accepted[:, None]
         return s2.replace(
             target_cache=t_cache,
             draft=draft,
@@ -228,4 +232,13 @@ class SpeculativeLoop:
             last_token=last,
             rounds=s.rounds + running,
             accepted_per_position=s.accepted_per_position + (running[:, None] & at_depth),
+            drafted_per_position=s.drafted_per_position + (running[:, None] & (depth < D)),
         )
+
+    def resume(self, params, batch: Batch, s: SpecState) -> SpecState:
+        """After paused rounds (adaptive K at 0): a drafter that fell behind catches up."""
+        catch_up = getattr(self.drafter, "catch_up", None)
+        if catch_up is None:
+            return s
+        return s.replace(draft=catch_up(params, s.draft, s.out_tokens, batch.prompt_lens,
+                                        batch.prompt_lens + s.num_generated, s.finish == RUNNING))

@@ -238,7 +238,8 @@ class _Job:
             prompt_tokens=t["prompt_tokens"], cached_tokens=t["cached_tokens"], new_tokens=t["new_tokens"], decode_s=decode_s,
             compile_s=compile_s, tokens_per_s=t["new_tokens"] / decode_s if decode_s > 0 else 0.0,
             acceptance_rate=t["acceptance_rate"], tokens_per_step=t["tokens_per_step"],
-            per_position_acceptance=t["per_position_acceptance"], running_acceptance=self.watch.rate,
+            per_position_acceptance=t["per_position_acceptance"], rounds_per_k=t["rounds_per_k"],
+            running_acceptance=self.watch.rate,
             low_acceptance=low, elapsed_s=state.elapsed(), running_tokens_per_s=state.tokens_per_s(),
         )
         state.batches.append(entry)

@@ -60,7 +60,7 @@ def run_local(target, draft, todo: list[Record], settings, method: DecodeMethod,
 
     options = dict(attention=settings.options.attention_impl,  # the fused kernel on GPUs (XLA's on the CPU)
                    prefix_cache=settings.options.prefix_cache, prefix_cache_tokens=settings.options.prefix_cache_tokens,
-                   on_done=on_done)
+                   on_done=on_done, adaptive_k=settings.options.adaptive_k)
     requests = [sample for _, sample in rows]
     if settings.scheduler == "continuous":
         run(target, requests, settings.batch_size, method, draft, scheduler="continuous", refill_at=settings.refill_at,

@@ -44,7 +44,18 @@ def totals(records: list[dict]) -> dict:
         "prefill_tokens": sums["prompt_tokens"] - sums["cached_tokens"],  # shared prefixes counted once
         "per_position_acceptance": [a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
         "finish_reasons": _count(o["finish_reason"] for r in ok for o in r.get("outputs", [r])),  # per sample
+        "rounds_per_k": _rounds_per_k(sums["target_steps"] - sum(len(r.get("outputs", [r])) for r in ok), drafted_pos),
     }
+
+
+def _rounds_per_k(rounds: int, drafted_pos: list[int]) -> dict:
+    """{K: verify rounds that drafted K tokens (K = 0: paused, adaptive K)} from the rounds (each
+    sample's prefill step left out) and the rounds that drafted each position; {} for plain decoding."""
+    if not drafted_pos:
+        return {}
+    offered = [rounds, *drafted_pos, 0]
+    counts = {k: offered[k] - offered[k + 1] for k in range(len(drafted_pos) + 1)}
+    return {str(k): c for k, c in counts.items() if c}
 
 
 def _count(values) -> dict:

@@ -50,7 +50,8 @@ class JobSettings:
     options: the run options (jaxspec.serving.options.RunOptions: deterministic,
     warn_below_acceptance); a job's attention is always "auto".
     Shorthand keywords set one field of those: max_new_tokens, temperature, top_k, top_p, min_p,
-    seed (sampling); deterministic, warn_below_acceptance, prefix_cache (options).
+    seed (sampling); deterministic, warn_below_acceptance, prefix_cache, adaptive_k (options:
+    adaptive_k chooses K as the continuous scheduler refills, serving/adaptive_k.py).
     batch_size: records decoded at once: slots of the continuous scheduler, rows of a static batch.
     scheduler: "continuous" refills a slot as soon as its record finishes, writing the records
     that finished at each return to the host in one durable write; "static" runs padded batches
@@ -101,9 +102,10 @@ class JobSettings:
     deterministic: dataclasses.InitVar[bool | None] = None
     warn_below_acceptance: dataclasses.InitVar[float | None] = None
     prefix_cache: dataclasses.InitVar[bool | None] = None
+    adaptive_k: dataclasses.InitVar[bool | None] = None
 
     def __post_init__(self, max_new_tokens, temperature, top_k, top_p, min_p, seed, deterministic,
-                      warn_below_acceptance, prefix_cache):
+                      warn_below_acceptance, prefix_cache, adaptive_k):
         check_int(self.num_draft_tokens, "num_draft_tokens", 1, MAX_DRAFT_TOKENS)
         if not isinstance(self.sampling, SamplingParams):
             raise InputError(f"sampling must be a jaxspec.SamplingParams; got {self.sampling!r}")
@@ -112,13 +114,17 @@ class JobSettings:
         given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed)
         object.__setattr__(self, "sampling", self.sampling.updated({k: v for k, v in given.items() if v is not None}))
-        run = dict(deterministic=deterministic, warn_below_acceptance=warn_below_acceptance, prefix_cache=prefix_cache)
+        run = dict(deterministic=deterministic, warn_below_acceptance=warn_below_acceptance, prefix_cache=prefix_cache,
+                   adaptive_k=adaptive_k)
         object.__setattr__(self, "options", self.options.updated({k: v for k, v in run.items() if v is not None}))
         if self.options.attention != "auto":
             raise InputError(f"a batch job's attention is auto (the fused kernel on GPUs); got {self.options.attention!r}")
         check_int(self.batch_size, "batch_size", 1)
         if self.scheduler not in SCHEDULERS:
             raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {self.scheduler!r}")
+        if self.options.adaptive_k and self.scheduler != "continuous":
+            raise InputError("adaptive_k chooses K as the continuous scheduler refills its slots; "
+                             f"scheduler is {self.scheduler!r}")
         if self.refill_at is not None:
             check_int(self.refill_at, "refill_at", 1)
         for name in ("auto", "progress"):

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decoding.loop import advance
-from jaxspec.decoding.slots import admit, begin, take_rows
+from jaxspec.decoding.slots import admit, begin, resume, take_rows
 from jaxspec.decoding.state import RUNNING
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import replicate
+from jaxspec.serving.adaptive_k import TIMED_ROUNDS, AdaptiveK
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch, stop_plan
 from jaxspec.serving.prefixes import PrefixStore
 from jaxspec.serving.prompt_logprobs import with_prompt_logprobs
@@ -47,7 +48,7 @@ ADMIT_ORDERS = ("longest", "arrival")
 
 def run_slots(target: Model, requests, slots: int, loop, params, attention: str, greedy_only: bool, graphs: GraphCache,
               *, refill_at: int | None = None, max_steps: int | None = None, on_done=None,
-              admit_order: str = "longest", prefixes: PrefixStore | None = None):
+              admit_order: str = "longest", prefixes: PrefixStore | None = None, loops: dict | None = None):
     """Decodes `requests` ((index into the caller's list, Request) pairs) through `slots` slots.
     admit_order "longest": the largest budget first (an offline job knows every budget, and
     starting the long records early leaves short ones to fill the slots at the end; admitting in
@@ -56,9 +57,10 @@ def run_slots(target: Model, requests, slots: int, loop, params, attention: str,
     on_done(pairs, decode_s, compile_s): called at returns to the host with the (index,
     Completion) pairs that finished, and the seconds spent since its last call. Returns
     (completions by index, decode_s). admit_order is checked by runner.run. prefixes: the call's
-    shared prompt prefixes (by request index)."""
+    shared prompt prefixes (by request index). loops: adaptive K's ({K: loop}, decoding/adaptive.py;
+    `loop` is the widest), chosen between at each return (serving/adaptive_k.py)."""
     return _Slots(target, dict(requests), slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
-                  on_done, admit_order, prefixes).run()
+                  on_done, admit_order, prefixes, loops).run()
 
 
 class _Slots:
@@ -66,7 +68,7 @@ class _Slots:
     the seconds spent (decoding, compiling) since on_done's last call."""
 
     def __init__(self, target, reqs: dict, slots, loop, params, attention, greedy_only, graphs, refill_at, max_steps,
-                 on_done, admit_order, prefixes):
+                 on_done, admit_order, prefixes, loops):
         self.target, self.reqs, self.slots, self.params, self.graphs = target, reqs, slots, params, graphs
         self.on_done, self.prefixes = on_done, prefixes
         max_out = bucket(max(r.max_new_tokens for r in reqs.values()))
@@ -91,6 +93,10 @@ class _Slots:
         empty = replicate(make_batch([], slots, 1, target.config.pad_token_id, self.stops), target.mesh)
         with self.clock():  # reported with the first records that finish
             self.state, self.batch = self.call(begin, self.static, target.weights, params, empty)
+            self.loops = loops or {None: loop}
+            self.adaptive = AdaptiveK(tuple(loops), self.state.accepted_per_position.shape[1]) if loops else None
+            self.k_ran = None  # the K of the last segment (adaptive K)
+            self.counted = np.zeros((3, slots, self.adaptive.drafted.size if loops else 0), np.int64)
             self.compile_s += graphs.precompile(self.graphs_needed())[0]
 
     def admit_shape(self, index: int) -> tuple[int, int | None]:
@@ -110,7 +116,11 @@ class _Slots:
             new = replicate(make_batch([], self.admit_rows, width, pad, self.stops), self.target.mesh)
             new = new if rest is None else self.prefixes.placeholder(new, rest)
             calls.append((admit, self.static, (w, self.params, self.state, self.batch, new, where)))
-        calls.append((advance, self.advance_static, (w, self.params, self.batch, self.state, jnp.int32(0), jnp.int32(0))))
+        for loop in self.loops.values():
+            static = {**self.advance_static, "loop": loop}
+            calls.append((advance, static, (w, self.params, self.batch, self.state, jnp.int32(0), jnp.int32(0))))
+            if 0 in self.loops and hasattr(loop.drafter, "catch_up"):
+                calls.append((resume, {"loop": loop}, (self.params, self.batch, self.state)))
         rows = jnp.zeros(self.slots, jnp.int32)
         calls.append((take_rows, {}, ({f: getattr(self.state, f) for f in self.fields}, rows)))
         return calls
@@ -139,6 +149,7 @@ class _Slots:
         for slot, index in zip(free, taken):
             by_shape.setdefault(self.admit_shape(index), []).append((slot, index))
             self.holder[slot] = index
+            self.counted[:, slot] = 0  # a new row's counters start at 0
         rows = self.admit_rows
         for (width, rest), group in by_shape.items():
             for part in (group[i : i + rows] for i in range(0, len(group), rows)):
@@ -154,15 +165,46 @@ class _Slots:
                                                    self.batch, new, jnp.asarray(where))
 
     def advance(self) -> None:
-        """Decodes until refill_at more rows have finished (every row, once nothing is pending)."""
+        """Decodes until refill_at more rows have finished (every row, once nothing is pending);
+        under adaptive K at the K chosen now, or a few timed rounds at each K first."""
         need = min(self.refill_at, len(self.pending)) if self.pending else self.slots + 1
-        self.state = self.call(advance, self.advance_static, self.target.weights, self.params, self.batch, self.state,
-                               jnp.int32(need), jnp.int32(self.max_steps))
+        if self.adaptive is None:
+            self.run_loop(self.advance_static["loop"], need, self.max_steps)
+            return
+        k, timing = self.adaptive.next()
+        loop = self.loops[k]
+        if k and self.k_ran == 0 and hasattr(loop.drafter, "catch_up"):
+            self.state = self.call(resume, {"loop": loop}, self.params, self.batch, self.state)
+        self.k_ran = k
+        if not timing:
+            self.run_loop(loop, need, self.max_steps)
+            return
+        self.run_loop(loop, self.slots + 1, 1)  # the graph's first run is not timed
+        before = np.asarray(jax.device_get(self.state.rounds))
+        t0 = time.perf_counter()
+        self.run_loop(loop, self.slots + 1, TIMED_ROUNDS)
+        after = np.asarray(jax.device_get(self.state.rounds))
+        self.adaptive.timed(k, time.perf_counter() - t0, int((after - before).max()))
+
+    def run_loop(self, loop, need: int, max_steps: int) -> None:
+        self.state = self.call(advance, {**self.advance_static, "loop": loop}, self.target.weights, self.params,
+                               self.batch, self.state, jnp.int32(need), jnp.int32(max_steps))
+
+    def count_segment(self) -> None:
+        """Adaptive K: the rounds, and the accepted and drafted counts per position, of the segment
+        just run (each row's counters less what was counted before), to the chooser."""
+        s = self.state
+        now = np.stack(jax.device_get((jnp.broadcast_to(s.rounds[:, None], s.drafted_per_position.shape),
+                                       s.accepted_per_position, s.drafted_per_position)))
+        delta, self.counted = now - self.counted, now
+        self.adaptive.record(self.k_ran, int(delta[0, :, 0].max(initial=0)), delta[1].sum(0), delta[2].sum(0))
 
     def take_ended(self):
         """Gathers the rows that ended on the device (now: the next admit donates the state) and
         frees their slots -> (device arrays, finish codes, request indices), or None."""
         finish = np.asarray(jax.device_get(self.state.finish))  # waits for the advance
+        if self.adaptive is not None:
+            self.count_segment()
         ended = [s for s, h in enumerate(self.holder) if h is not None and finish[s] != RUNNING]
         if not ended:
             return None

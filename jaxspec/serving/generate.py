@@ -122,7 +122,7 @@ def generate(
     from jaxspec.trees.NAMED_TREES), ngram_min, ngram_max, ngram_branches; attention ("auto",
     "xla", "pallas"), deterministic (the same tokens alone or in any batch, bit for bit;
     docs/deterministic.md), warn_below_acceptance, prefix_cache (False: every prompt prefilled
-    whole, no shared prefixes).
+    whole, no shared prefixes), adaptive_k (K chosen as the call runs: RunOptions').
 
     Returns Completions (a list, in prompt order: with n > 1, prompt 0's n samples first, each with
     its `index`) with `.metrics` for the whole call; logs a
@@ -141,10 +141,11 @@ def generate(
     check_pair(target, draft, method)
     requests = build_requests(prompts, target, with_keywords(sampling, sampling_keys, len(prompts)))
     # Past one batch, slots are refilled as rows finish rather than waiting for a batch's longest.
-    scheduler = "continuous" if len(requests) > max_batch_size else "static"
+    # (adaptive K chooses at those refills)
+    scheduler = "continuous" if len(requests) > max_batch_size or options.adaptive_k else "static"
     outs = run(target, requests, max_batch_size, method, draft, attention=options.attention_impl,
                scheduler=scheduler, graphs=graphs, prefix_cache=options.prefix_cache,
-               prefix_cache_tokens=options.prefix_cache_tokens)
+               prefix_cache_tokens=options.prefix_cache_tokens, adaptive_k=options.adaptive_k)
     warn_if_low(outs, method, draft, target, options.warn_below_acceptance)
     return outs
 

@@ -26,16 +26,20 @@ class RunOptions:
     prefix_cache: prompts that begin with the same blocks of tokens (a system prompt, a few-shot
     preamble, the n samples of one prompt) prefill them once (serving/prefixes.py); the output is
     the same without it. prefix_cache_tokens: the bound on those prefixes' cache (the store's
-    rows x width, in tokens); the prefixes that spare most are kept within it."""
+    rows x width, in tokens); the prefixes that spare most are kept within it. adaptive_k: the
+    continuous scheduler chooses K (0 = plain) at each return to the host from num_draft_tokens
+    halved down to 0, by round costs timed at the start and the acceptance so far
+    (serving/adaptive_k.py); a call of more prompts than one batch, or a batch job, uses it."""
 
     attention: str = "auto"
     deterministic: bool = False
     warn_below_acceptance: float = DEFAULT_WARN_BELOW
     prefix_cache: bool = True
     prefix_cache_tokens: int = PREFIX_CACHE_TOKENS
+    adaptive_k: bool = False
 
     def __post_init__(self):
-        for name in ("deterministic", "prefix_cache"):
+        for name in ("deterministic", "prefix_cache", "adaptive_k"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.deterministic and self.attention not in ("auto", "deterministic"):
@@ -72,11 +76,14 @@ class RunOptions:
         parser.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
                             help="the most cache the shared prefixes may hold, in tokens (default "
                                  f"{PREFIX_CACHE_TOKENS}); those that spare most are kept")
+        parser.add_argument("--adaptive-k", action="store_true",
+                            help="choose K (0 = plain) as the job runs, from --num-draft-tokens halved down to 0, by "
+                                 "round costs timed at the start and the acceptance so far (continuous scheduler)")
 
     @classmethod
     def from_cli(cls, args) -> "RunOptions":
         return cls(getattr(args, "attention", "auto"), args.deterministic, args.warn_below_acceptance, args.prefix_cache,
-                   args.prefix_cache_tokens)
+                   args.prefix_cache_tokens, args.adaptive_k)
 
     def updated(self, values: dict) -> "RunOptions":
         return dataclasses.replace(self, **values) if values else self

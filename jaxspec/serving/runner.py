@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jaxspec.decoding.adaptive import adaptive_loops, k_choices
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.decoding.penalties import any_penalty
 from jaxspec.decoding.suffix import SuffixCorpus
@@ -28,6 +29,7 @@ def run(
     draft: Model | None = None, *, attention: str = "xla", scheduler: str = "static", refill_at: int | None = None,
     on_done=None, admit_order: str = "longest", graphs: GraphCache | None = None,
     groups: list[list[int]] | None = None, prefix_cache: bool = True, prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+    adaptive_k: bool = False,
 ) -> Completions:
     """Decodes all requests (results in their order) by `method` (its draft model: `draft`).
     scheduler "static": padded batches of up to max_batch_size, each run until its longest row
@@ -35,7 +37,9 @@ def run(
     refill_at: rows freed before a refill; admit_order: run_slots'). on_done(pairs, decode_s,
     compile_s) gets the (request index, Completion) pairs as they finish (continuous) or per batch
     (static; groups: its batches as lists of request indices, by default similar prompt lengths
-    together). graphs: the compiled-graph cache to use (default: the target's own)."""
+    together). graphs: the compiled-graph cache to use (default: the target's own). adaptive_k:
+    the continuous scheduler chooses K (0 = plain) at each return from method.k halved down to 0
+    (serving/adaptive_k.py); a plain method has none to choose."""
     if scheduler not in SCHEDULERS:
         raise InputError(f"scheduler must be one of {', '.join(SCHEDULERS)}; got {scheduler!r}")
     if admit_order not in ADMIT_ORDERS:
@@ -55,6 +59,11 @@ def run(
         loop = dataclasses.replace(loop, logprobs=max(asked))
     if any(any_penalty(r.sampling) for r in requests):  # the loop counts tokens only where needed
         loop = dataclasses.replace(loop, penalties=True)
+    loops = None
+    if adaptive_k and method.speculative:
+        if scheduler != "continuous":
+            raise InputError(f"adaptive K chooses K at the continuous scheduler's returns; scheduler is {scheduler!r}")
+        loops = adaptive_loops(loop, k_choices(method.k), method.name)
     start, before = time.perf_counter(), graphs.counts()
     shares = prefix_cache and not getattr(loop, "feature_layers", ())
     store = prefix_store(target, [r.token_ids for r in requests], attention, graphs, prefix_cache_tokens) if shares else None
@@ -63,7 +72,7 @@ def run(
                                        groups, store)
     else:
         results, decode_s = _run_continuous(target, requests, max_batch_size, loop, params, attention, graphs,
-                                            refill_at, on_done, admit_order, store)
+                                            refill_at, on_done, admit_order, store, loops)
     decode_s += store.run_s if store else 0.0
     after = graphs.counts()
     prompt_tokens = sum(c.stats.prompt_tokens for c in results)
@@ -106,7 +115,7 @@ def _adding_outputs(corpus: SuffixCorpus, requests: list[Request], on_done):
 
 
 def _run_continuous(target, requests, slots, loop, params, attention, graphs, refill_at, on_done,
-                    admit_order, store) -> tuple[list[Completion], float]:
+                    admit_order, store, loops) -> tuple[list[Completion], float]:
     """Greedy and sampled requests each through their own slots (one graph each), in that order."""
     results: list[Completion | None] = [None] * len(requests)
     decode_s = 0.0
@@ -114,7 +123,8 @@ def _run_continuous(target, requests, slots, loop, params, attention, graphs, re
         group = [(i, r) for i, r in enumerate(requests) if r.sampling.greedy == greedy]
         if group:
             done, d = run_slots(target, group, min(slots, len(group)), loop, params, attention, greedy, graphs,
-                                refill_at=refill_at, on_done=on_done, admit_order=admit_order, prefixes=store)
+                                refill_at=refill_at, on_done=on_done, admit_order=admit_order, prefixes=store,
+                                loops=loops)
             for i, c in done.items():
                 results[i] = c
             decode_s += d

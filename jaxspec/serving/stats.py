@@ -125,16 +125,18 @@ def _request_stats(request: Request, out: dict, row: int, cached_tokens: int) ->
         return RequestStats(prompt_tokens=len(request.token_ids), new_tokens=n, target_steps=n,
                             cached_tokens=cached_tokens)
     rounds = int(out["rounds"][row])
+    # per draft position (chain) or tree depth: the rounds that drafted it (all of them, unless
+    # adaptive K varied the depth) and how many accepted it
     per_position = tuple(int(a) for a in out["accepted_per_position"][row])
-    depth = len(per_position)  # chain: K; tree: its depth (one path position per level)
+    drafted = tuple(int(d) for d in out["drafted_per_position"][row])
     return RequestStats(
         prompt_tokens=len(request.token_ids),
         new_tokens=n,
         target_steps=rounds + 1,  # the prefill produced the first token
-        drafted=rounds * depth,
+        drafted=sum(drafted),
         accepted=sum(per_position),
         accepted_per_position=per_position,
-        drafted_per_position=(rounds,) * depth,
+        drafted_per_position=drafted,
         cached_tokens=cached_tokens,
     )
 

@@ -1,0 +1,89 @@
+"""Adaptive K (RunOptions.adaptive_k): the continuous scheduler picks, at each return to the host,
+the K (0 = plain) of a small compiled set that commits most tokens per second, from
+
+  * round costs measured on this machine: at the job's start each K runs a few rounds of the real
+    job (no work is thrown away), timed at the slot count the loop is compiled for;
+  * acceptance measured so far, per draft position: accepted[j] / drafted[j] over every round that
+    drafted position j + 1, so a chain of K is expected to commit 1 + sum(rate[:K]) tokens a round
+    (positions never drafted yet extrapolate the last measured ratio geometrically).
+
+Rows with nothing to decode cost as much as running ones in the compiled loop, so the choice
+weighs tokens per round against seconds per round; as acceptance drifts through a job (records
+that repeat themselves, records that do not) K follows it. K never changes what is accepted
+(decoding/adaptive.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+log = logging.getLogger("jaxspec")
+
+TIMED_ROUNDS = 4  # rounds timed per K at the start (after one untimed round: the first run of a graph)
+
+
+class AdaptiveK:
+    """The host's choice of K: the round costs, the acceptance counts, and the K of each segment."""
+
+    def __init__(self, ks: tuple[int, ...], depth: int):
+        self.ks = tuple(sorted(ks))
+        self.round_s: dict[int, float] = {}
+        self.accepted, self.drafted = np.zeros(depth), np.zeros(depth)
+        self.untimed = sorted(self.ks, reverse=True)  # widest first: its rounds measure every position
+        self.k = self.untimed[0]
+        self.rounds_at = {k: 0 for k in self.ks}
+
+    def next(self) -> tuple[int, bool]:
+        """(the K of the next segment, whether it is a timing segment)."""
+        if self.untimed:
+            self.k = self.untimed[0]
+            return self.k, True
+        best = max(self.ks, key=lambda k: self.tokens_per_round(k) / self.round_s[k])
+        if best != self.k:
+            log.info("adaptive K: %d -> %d (%s)", self.k, best, self.describe())
+        self.k = best
+        return best, False
+
+    def timed(self, k: int, seconds: float, rounds: int) -> None:
+        """A timing segment of `rounds` rounds at K took `seconds` (dispatch to results)."""
+        if rounds > 0:
+            self.round_s[k] = seconds / rounds
+            self.untimed.remove(k)
+            if not self.untimed:
+                log.info("adaptive K: round costs measured (%s)", self.describe())
+
+    def record(self, k: int, rounds: int, accepted: np.ndarray, drafted: np.ndarray) -> None:
+        """A segment at K: its rounds, and its accepted and drafted counts per position, summed
+        over rows."""
+        self.rounds_at[k] += rounds
+        self.accepted += accepted
+        self.drafted += drafted
+
+    def rates(self) -> np.ndarray:
+        """P(draft positions 1..j + 1 all accepted) per j: measured, then extrapolated."""
+        rates = np.zeros(len(self.drafted))
+        for j in range(len(rates)):
+            if self.drafted[j] > 0:
+                rates[j] = self.accepted[j] / self.drafted[j]
+            elif j >= 2 and rates[j - 2] > 0:
+                rates[j] = rates[j - 1] * rates[j - 1] / rates[j - 2]
+            elif j == 1:
+                rates[j] = rates[0] * rates[0]
+        return np.minimum(rates, 1.0)
+
+    def tokens_per_round(self, k: int) -> float:
+        return 1.0 + float(self.rates()[:k].sum())
+
+    def describe(self) -> str:
+        return ", ".join(f"K={k}: {self.round_s.get(k, float('nan')) * 1e3:.1f} ms/round, "
+                         f"{self.tokens_per_round(k):.2f} tokens/round" for k in self.ks)
+
+
+def timed_segment(run, fetch) -> float:
+    """Seconds from dispatching `run` to `fetch`'s results on the host."""
+    t0 = time.perf_counter()
+    run()
+    fetch()
+    return time.perf_counter() - t0
