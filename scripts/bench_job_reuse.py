@@ -7,12 +7,16 @@ measured in this run on this machine.
     python scripts/bench_job_reuse.py --job fewshot    # shared prefixes on and off, plain decoding
     python scripts/bench_job_reuse.py --job neardup    # suffix drafting against in-row n-gram lookup
     python scripts/bench_job_reuse.py --job unrelated  # the same, on records with nothing in common
+    python scripts/bench_job_reuse.py --job lognormal  # adaptive K against plain and a fixed K = 3
 
 fewshot: one preamble of about 900 tokens before each of 48 distinct questions
 (jaxspec.bench.workloads.write_fewshot_jsonl), batch 16, 24 new tokens each.
 neardup: the first 64 HumanEval stubs, each twice, renamed (write_near_duplicate_jsonl), in a
 fixed random order; unrelated: the first 128 HumanEval stubs as they are; both at batch 16, 64 new
 tokens each, K = 3, greedy, the embedded target.
+lognormal: the 128 first HumanEval stubs with lognormal budgets (median 200, at most 1024;
+write_humaneval_jsonl), batch 16, continuous, greedy: plain decoding, the embedded draft model at
+K = 3, and --adaptive-k (K from 0, 1, 3; its timed rounds are part of its run).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ JOBS = {
                 {"ngram": ["--draft", "ngram"], "suffix": ["--draft", "suffix"]}),
 }
 JOBS["unrelated"] = JOBS["neardup"]
+JOBS["lognormal"] = (["--batch-size", "16"], {"plain": ["--no-draft"], "K=3": [], "adaptive K": ["--adaptive-k"]})
 
 
 def write_job(job: str, path: Path) -> None:
@@ -49,6 +54,8 @@ def write_job(job: str, path: Path) -> None:
         workloads.write_fewshot_jsonl(path, AutoTokenizer.from_pretrained(CHECKPOINTS / "hf" / "code-target-16m"))
     elif job == "neardup":
         workloads.write_near_duplicate_jsonl(path)
+    elif job == "lognormal":
+        workloads.write_humaneval_jsonl(path, limit=128, lognormal=True)
     else:
         workloads.write_humaneval_jsonl(path, limit=128)
 

@@ -21,7 +21,7 @@ from jaxspec.decoding.state import prefill
 from jaxspec.decoding.trees import chain
 from jaxspec.errors import InputError
 from jaxspec.sampling_params import SamplingParams
-from jaxspec.serving import adaptive_k
+from jaxspec.serving import adaptive_k, continuous
 from jaxspec.serving.generate import build_requests
 from jaxspec.serving.requests import Request
 from jaxspec.serving.runner import run
@@ -70,7 +70,7 @@ def build_batch(model, prompts, capacity):
 def cycling(monkeypatch, ks):
     """Each segment's K from `ks` in turn (no timing), in place of the chooser's."""
     order = itertools.cycle(ks)
-    monkeypatch.setattr(adaptive_k.AdaptiveK, "next", lambda self: (next(order), False))
+    monkeypatch.setattr(adaptive_k.AdaptiveK, "next", lambda self, rows: (next(order), False))
 
 
 @pytest.mark.parametrize("draft_kind", ["model", "ngram", "suffix"])
@@ -81,8 +81,17 @@ def test_greedy_output_is_plain_while_k_changes(real_pair, humaneval20, monkeypa
     prompts = humaneval20[:10]
     plain = jaxspec.generate(prompts, target, **kw)
     cycling(monkeypatch, (3, 0, 0, 1, 0, 3, 3))
+    rows = []
+    shrink = continuous._Slots.shrink
+
+    def shrinking(self):  # the loop's row counts, as the job drains
+        shrink(self)
+        rows.append(len(self.holder))
+
+    monkeypatch.setattr(continuous._Slots, "shrink", shrinking)
     out = jaxspec.generate(prompts, target, draft, adaptive_k=True, **kw)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert rows[0] == 4 and {2, 1} <= set(rows)  # the last rows ran in loops of 2, then 1
     for o in out:
         s = o.stats
         rounds = s.target_steps - 1
@@ -101,15 +110,16 @@ def test_the_chooser_times_each_k_then_picks_by_tokens_per_second(real_pair, hum
     with caplog.at_level("INFO", logger="jaxspec"):
         out = jaxspec.generate(prompts, target, draft, adaptive_k=True, max_new_tokens=32, max_batch_size=4)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
-    assert any("round costs measured (K=0:" in r.message and "K=3:" in r.message for r in caplog.records)
+    assert any("round costs at 4 rows measured (K=0:" in r.message and "K=3:" in r.message for r in caplog.records)
     chooser = adaptive_k.AdaptiveK((0, 1, 3), 3)
     for k, ms in ((3, 30.0), (1, 22.0), (0, 20.0)):
-        assert chooser.next() == (k, True)
-        chooser.timed(k, ms * 4e-3, 4)
+        assert chooser.next(16) == (k, True)
+        chooser.timed(k, 16, ms * 4e-3, 4)
     chooser.record(3, 10, np.array([8, 6, 4]), np.array([10, 10, 10]))  # 1 + 0.8 + 0.6 + 0.4 tokens
-    assert chooser.next() == (3, False)  # 2.8 / 30 > 1.8 / 22 > 1 / 20
+    assert chooser.next(16) == (3, False)  # 2.8 / 30 > 1.8 / 22 > 1 / 20
     chooser.record(3, 10, np.array([0, 0, 0]), np.array([90, 90, 90]))  # acceptance falls to 0.08 ...
-    assert chooser.next() == (0, False)
+    assert chooser.next(16) == (0, False)
+    assert chooser.next(4) == (3, True)  # fewer rows: timed afresh
 
 
 def test_paused_rounds_sample_the_target_distribution(tiny_pair, monkeypatch):  # noqa: F811

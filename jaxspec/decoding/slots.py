@@ -24,6 +24,15 @@ def insert_rows(big, new, slots: jnp.ndarray):
     return jax.tree.map(put, big, new, is_leaf=lambda x: isinstance(x, (KVCache, Shared)))
 
 
+def take_slots(big, rows: jnp.ndarray):
+    """`big` (a loop state or Batch over all slots) cut to rows `rows` [n], in that order."""
+    def take(b):
+        if isinstance(b, KVCache):
+            return b.take(rows)
+        return b if isinstance(b, Shared) or b.ndim == 0 else b[rows]
+    return jax.tree.map(take, big, is_leaf=lambda x: isinstance(x, (KVCache, Shared)))
+
+
 def _slot_batch(batch: Batch) -> Batch:
     """The loop reads no prompt tokens or prefixes (prefill did): slots keep a [b, 1] stand-in."""
     return batch.replace(tokens=jnp.zeros((batch.tokens.shape[0], 1), jnp.int32), prefix=None)
@@ -54,3 +63,9 @@ def take_rows(fields: dict, rows: jnp.ndarray) -> dict:
 def resume(params, slots_batch, state, *, loop):
     """loop.resume: a drafter that fell behind during paused rounds (adaptive K at 0) catches up."""
     return loop.resume(params, slots_batch, state)
+
+
+@jax.jit  # (nothing to donate: the cut arrays are new ones)
+def shrink(state, slots_batch, rows: jnp.ndarray):
+    """The slots' state and batch cut to rows `rows`: a draining job's loop runs fewer rows."""
+    return take_slots(state, rows), take_slots(slots_batch, rows)

@@ -58,6 +58,14 @@ class KVCache:
             k, v = put(self.k, new.k), put(self.v, new.v)
         return self.replace(k=k, v=v, lengths=self.lengths.at[slots].set(new.lengths, mode="drop"))
 
+    def take(self, rows: jnp.ndarray) -> "KVCache":
+        """A cache of rows `rows` [n] of this one."""
+        if isinstance(self.k, tuple):
+            k, v = tuple(a[rows] for a in self.k), tuple(a[rows] for a in self.v)
+        else:  # stacked: [layers, b, ...]
+            k, v = self.k[:, rows], self.v[:, rows]
+        return self.replace(k=k, v=v, lengths=self.lengths[rows])
+
     def with_prefix(self, store: "KVCache", rows: jnp.ndarray, lens: jnp.ndarray) -> "KVCache":
         """This empty cache with each row b's first lens[b] slots copied from row rows[b] of
         `store` (zeros past them, as a fresh cache has), and lengths = lens."""

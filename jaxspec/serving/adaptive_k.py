@@ -2,20 +2,21 @@
 the K (0 = plain) of a small compiled set that commits most tokens per second, from
 
   * round costs measured on this machine: at the job's start each K runs a few rounds of the real
-    job (no work is thrown away), timed at the slot count the loop is compiled for;
+    job (no work is thrown away), timed at the slot count the loop is compiled for, and again
+    each time a draining job's loop moves to fewer rows (continuous.py: `shrink`);
   * acceptance measured so far, per draft position: accepted[j] / drafted[j] over every round that
     drafted position j + 1, so a chain of K is expected to commit 1 + sum(rate[:K]) tokens a round
     (positions never drafted yet extrapolate the last measured ratio geometrically).
 
-Rows with nothing to decode cost as much as running ones in the compiled loop, so the choice
-weighs tokens per round against seconds per round; as acceptance drifts through a job (records
-that repeat themselves, records that do not) K follows it. K never changes what is accepted
+A compiled loop pays for all its rows, so at a given row count the choice weighs tokens per round
+against seconds per round: where a full batch is compute-bound (a CPU, or a GPU at large batch)
+plain decoding wins, and as the job drains to fewer rows speculation does. As acceptance drifts
+through a job (records that repeat themselves, records that do not) K follows it too. K never changes what is accepted
 (decoding/adaptive.py)."""
 
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
@@ -29,30 +30,34 @@ class AdaptiveK:
 
     def __init__(self, ks: tuple[int, ...], depth: int):
         self.ks = tuple(sorted(ks))
-        self.round_s: dict[int, float] = {}
+        self.round_s: dict[int, dict[int, float]] = {}  # rows -> K -> seconds per round
         self.accepted, self.drafted = np.zeros(depth), np.zeros(depth)
-        self.untimed = sorted(self.ks, reverse=True)  # widest first: its rounds measure every position
-        self.k = self.untimed[0]
+        self.k = max(self.ks)
         self.rounds_at = {k: 0 for k in self.ks}
 
-    def next(self) -> tuple[int, bool]:
-        """(the K of the next segment, whether it is a timing segment)."""
-        if self.untimed:
-            self.k = self.untimed[0]
+    def untimed(self, rows: int) -> list[int]:
+        """The K values not yet timed at this row count, widest first (its rounds measure every position)."""
+        return [k for k in sorted(self.ks, reverse=True) if k not in self.round_s.get(rows, {})]
+
+    def next(self, rows: int) -> tuple[int, bool]:
+        """(the K of the next segment of a loop of `rows` rows, whether it is a timing segment)."""
+        untimed = self.untimed(rows)
+        if untimed:
+            self.k = untimed[0]
             return self.k, True
-        best = max(self.ks, key=lambda k: self.tokens_per_round(k) / self.round_s[k])
+        costs = self.round_s[rows]
+        best = max(self.ks, key=lambda k: self.tokens_per_round(k) / costs[k])
         if best != self.k:
-            log.info("adaptive K: %d -> %d (%s)", self.k, best, self.describe())
+            log.info("adaptive K: %d -> %d at %d rows (%s)", self.k, best, rows, self.describe(rows))
         self.k = best
         return best, False
 
-    def timed(self, k: int, seconds: float, rounds: int) -> None:
-        """A timing segment of `rounds` rounds at K took `seconds` (dispatch to results)."""
+    def timed(self, k: int, rows: int, seconds: float, rounds: int) -> None:
+        """A timing segment of `rounds` rounds at K, `rows` rows, took `seconds` (dispatch to results)."""
         if rounds > 0:
-            self.round_s[k] = seconds / rounds
-            self.untimed.remove(k)
-            if not self.untimed:
-                log.info("adaptive K: round costs measured (%s)", self.describe())
+            self.round_s.setdefault(rows, {})[k] = seconds / rounds
+            if not self.untimed(rows):
+                log.info("adaptive K: round costs at %d rows measured (%s)", rows, self.describe(rows))
 
     def record(self, k: int, rounds: int, accepted: np.ndarray, drafted: np.ndarray) -> None:
         """A segment at K: its rounds, and its accepted and drafted counts per position, summed
@@ -76,14 +81,8 @@ class AdaptiveK:
     def tokens_per_round(self, k: int) -> float:
         return 1.0 + float(self.rates()[:k].sum())
 
-    def describe(self) -> str:
-        return ", ".join(f"K={k}: {self.round_s.get(k, float('nan')) * 1e3:.1f} ms/round, "
+    def describe(self, rows: int) -> str:
+        costs = self.round_s.get(rows, {})
+        return ", ".join(f"K={k}: {costs.get(k, float('nan')) * 1e3:.1f} ms/round, "
                          f"{self.tokens_per_round(k):.2f} tokens/round" for k in self.ks)
 
-
-def timed_segment(run, fetch) -> float:
-    """Seconds from dispatching `run` to `fetch`'s results on the host."""
-    t0 = time.perf_counter()
-    run()
-    fetch()
-    return time.perf_counter() - t0

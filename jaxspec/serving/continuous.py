@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decoding.loop import advance
-from jaxspec.decoding.slots import admit, begin, resume, take_rows
+from jaxspec.decoding.slots import admit, begin, resume, shrink, take_rows
 from jaxspec.decoding.state import RUNNING
 from jaxspec.graphs import GraphCache
 from jaxspec.model.loading import Model
@@ -167,11 +167,14 @@ class _Slots:
     def advance(self) -> None:
         """Decodes until refill_at more rows have finished (every row, once nothing is pending);
         under adaptive K at the K chosen now, or a few timed rounds at each K first."""
-        need = min(self.refill_at, len(self.pending)) if self.pending else self.slots + 1
+        need = min(self.refill_at, len(self.pending)) if self.pending else len(self.holder) + 1
         if self.adaptive is None:
             self.run_loop(self.advance_static["loop"], need, self.max_steps)
             return
-        k, timing = self.adaptive.next()
+        if not self.pending:  # draining: back when the running rows fit in half the rows, to shrink
+            live = sum(h is not None for h in self.holder)
+            need = max(1, live - len(self.holder) // 2)
+        k, timing = self.adaptive.next(len(self.holder))
         loop = self.loops[k]
         if k and self.k_ran == 0 and hasattr(loop.drafter, "catch_up"):
             self.state = self.call(resume, {"loop": loop}, self.params, self.batch, self.state)
@@ -179,12 +182,26 @@ class _Slots:
         if not timing:
             self.run_loop(loop, need, self.max_steps)
             return
-        self.run_loop(loop, self.slots + 1, 1)  # the graph's first run is not timed
+        self.run_loop(loop, len(self.holder) + 1, 1)  # the graph's first run is not timed
         before = np.asarray(jax.device_get(self.state.rounds))
         t0 = time.perf_counter()
-        self.run_loop(loop, self.slots + 1, TIMED_ROUNDS)
+        self.run_loop(loop, len(self.holder) + 1, TIMED_ROUNDS)
         after = np.asarray(jax.device_get(self.state.rounds))
-        self.adaptive.timed(k, time.perf_counter() - t0, int((after - before).max()))
+        self.adaptive.timed(k, len(self.holder), time.perf_counter() - t0, int((after - before).max()))
+
+    def shrink(self) -> None:
+        """Adaptive K, once nothing is pending: when the running rows fit in half the loop's rows
+        (or less), the loop goes on over a power of two of rows that holds them (graphs of their
+        own, timed afresh), so a draining job stops paying for rows that finished."""
+        live = [s for s, h in enumerate(self.holder) if h is not None]
+        rows = bucket(len(live), 1)
+        if self.pending or not live or rows > len(self.holder) // 2:
+            return
+        free = [s for s, h in enumerate(self.holder) if h is None]
+        keep = live + free[: rows - len(live)]  # finished rows pad the rest
+        self.state, self.batch = self.call(shrink, {}, self.state, self.batch, jnp.asarray(keep, jnp.int32))
+        self.holder = [self.holder[s] for s in keep]
+        self.counted = self.counted[:, keep]
 
     def run_loop(self, loop, need: int, max_steps: int) -> None:
         self.state = self.call(advance, {**self.advance_static, "loop": loop}, self.target.weights, self.params,
@@ -208,7 +225,7 @@ class _Slots:
         ended = [s for s, h in enumerate(self.holder) if h is not None and finish[s] != RUNNING]
         if not ended:
             return None
-        rows = np.zeros(self.slots, np.int32)
+        rows = np.zeros(len(self.holder), np.int32)
         rows[: len(ended)] = ended
         got = self.call(take_rows, {}, {f: getattr(self.state, f) for f in self.fields}, jnp.asarray(rows))
         indices = [self.holder[s] for s in ended]
@@ -234,6 +251,8 @@ class _Slots:
         ended = None  # the rows that ended at the last return
         while self.pending or any(h is not None for h in self.holder):
             with self.clock():
+                if self.adaptive is not None:
+                    self.shrink()
                 self.admit()
                 self.advance()
                 # The last return's rows become completions (and on_done writes them) while the
