@@ -201,7 +201,7 @@ def candidates(draft, settings) -> list[DecodeMethod]:
     """The canary's methods: plain first, then each draft given (a draft model, an EAGLE-3 head,
     or both: see drafts_by_kind) at each of settings.auto_ks and each named tree in
     settings.auto_trees, and n-gram lookup at each of settings.auto_ngram_ks (with the Ngram
-    settings given among the drafts, else the defaults)."""
+    settings given among the drafts, else the defaults); with adaptive K, no trees or heads."""
     drafts = drafts_by_kind(draft)
     methods = [DecodeMethod()]
     for kind in ("draft", "eagle"):
@@ -215,6 +215,8 @@ def candidates(draft, settings) -> list[DecodeMethod]:
         suffix = drafts["suffix"]
         methods += [DecodeMethod("suffix", k, settings=None if isinstance(suffix, str) else suffix)
                     for k in settings.auto_ngram_ks]
+    if settings.options.adaptive_k:  # the job will vary a chain's K: only methods that have one
+        methods = [m for m in methods if m.kind != "eagle" and m.tree is None]
     return list(dict.fromkeys(methods))
 
 
