@@ -9,6 +9,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_deterministic import PROMPTS as DET_PROMPTS
+from test_deterministic import tiny_bf16  # noqa: F401  (fixture)
 from test_speculative_distribution import N, PROMPT, SETTINGS, chi2_pvalue, exact_joint
 from test_speculative_distribution import pair as tiny_pair  # noqa: F401  (fixture)
 
@@ -101,6 +103,18 @@ def test_greedy_output_is_plain_while_k_changes(real_pair, humaneval20, monkeypa
     d = np.array([o.stats.drafted_per_position for o in out])
     steps = np.array([o.stats.target_steps - 1 for o in out])
     assert (steps > d[:, 0]).any() and (d[:, 0] > d[:, 1]).any() and (d[:, 2] > 0).any()
+
+
+def test_deterministic_bf16_keeps_the_bits_while_k_changes(tiny_bf16, monkeypatch):  # noqa: F811
+    """bfloat16, deterministic mode, the target drafting for itself: tokens and logprobs equal plain
+    decoding's bit for bit while K moves between 3, 0 and 1 and the slots drain."""
+    target = tiny_bf16[0]
+    det = dict(max_new_tokens=24, deterministic=True, warn_below_acceptance=0.0, logprobs=2, max_batch_size=2)
+    plain = jaxspec.generate(DET_PROMPTS, target, **det)
+    cycling(monkeypatch, (3, 0, 1, 0, 3))
+    spec = jaxspec.generate(DET_PROMPTS, target, target, adaptive_k=True, **det)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain] and spec.metrics.accepted > 0
+    assert [c.logprobs for c in spec] == [c.logprobs for c in plain]
 
 
 def test_the_chooser_times_each_k_then_picks_by_tokens_per_second(real_pair, humaneval20, caplog):
