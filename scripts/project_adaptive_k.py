@@ -94,7 +94,7 @@ def simulate(records, costs: dict, batch: int, refill_at: int, return_ms: float,
         if chooser is not None:
             if timing:
                 chooser.timed(k, rows, costs[rows][k] / 1000 * TIMED_ROUNDS, TIMED_ROUNDS)
-            chooser.record(k, rounds, accepted, drafted)
+            chooser.record(accepted, drafted)
         seconds += return_ms / 1000
         returns += 1
     return seconds, dict(sorted(used.items())), returns

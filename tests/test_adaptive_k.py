@@ -129,9 +129,9 @@ def test_the_chooser_times_each_k_then_picks_by_tokens_per_second(real_pair, hum
     for k, ms in ((3, 30.0), (1, 22.0), (0, 20.0)):
         assert chooser.next(16) == (k, True)
         chooser.timed(k, 16, ms * 4e-3, 4)
-    chooser.record(3, 10, np.array([8, 6, 4]), np.array([10, 10, 10]))  # 1 + 0.8 + 0.6 + 0.4 tokens
+    chooser.record(np.array([8, 6, 4]), np.array([10, 10, 10]))  # 1 + 0.8 + 0.6 + 0.4 tokens
     assert chooser.next(16) == (3, False)  # 2.8 / 30 > 1.8 / 22 > 1 / 20
-    chooser.record(3, 10, np.array([0, 0, 0]), np.array([90, 90, 90]))  # acceptance falls to 0.08 ...
+    chooser.record(np.array([0, 0, 0]), np.array([90, 90, 90]))  # acceptance falls to 0.08 ...
     assert chooser.next(16) == (0, False)
     assert chooser.next(4) == (3, True)  # fewer rows: timed afresh
 

@@ -33,7 +33,6 @@ class AdaptiveK:
         self.round_s: dict[int, dict[int, float]] = {}  # rows -> K -> seconds per round
         self.accepted, self.drafted = np.zeros(depth), np.zeros(depth)
         self.k = max(self.ks)
-        self.rounds_at = {k: 0 for k in self.ks}
 
     def untimed(self, rows: int) -> list[int]:
         """The K values not yet timed at this row count, widest first (its rounds measure every position)."""
@@ -59,10 +58,8 @@ class AdaptiveK:
             if not self.untimed(rows):
                 log.info("adaptive K: round costs at %d rows measured (%s)", rows, self.describe(rows))
 
-    def record(self, k: int, rounds: int, accepted: np.ndarray, drafted: np.ndarray) -> None:
-        """A segment at K: its rounds, and its accepted and drafted counts per position, summed
-        over rows."""
-        self.rounds_at[k] += rounds
+    def record(self, accepted: np.ndarray, drafted: np.ndarray) -> None:
+        """A segment's accepted and drafted counts per position, summed over rows."""
         self.accepted += accepted
         self.drafted += drafted
 

@@ -96,7 +96,7 @@ class _Slots:
             self.loops = loops or {None: loop}
             self.adaptive = AdaptiveK(tuple(loops), self.state.accepted_per_position.shape[1]) if loops else None
             self.k_ran = None  # the K of the last segment (adaptive K)
-            self.counted = np.zeros((3, slots, self.adaptive.drafted.size if loops else 0), np.int64)
+            self.counted = np.zeros((2, slots, self.adaptive.drafted.size if loops else 0), np.int64)
             self.compile_s += graphs.precompile(self.graphs_needed())[0]
 
     def admit_shape(self, index: int) -> tuple[int, int | None]:
@@ -208,13 +208,11 @@ class _Slots:
                                self.batch, self.state, jnp.int32(need), jnp.int32(max_steps))
 
     def count_segment(self) -> None:
-        """Adaptive K: the rounds, and the accepted and drafted counts per position, of the segment
-        just run (each row's counters less what was counted before), to the chooser."""
-        s = self.state
-        now = np.stack(jax.device_get((jnp.broadcast_to(s.rounds[:, None], s.drafted_per_position.shape),
-                                       s.accepted_per_position, s.drafted_per_position)))
+        """Adaptive K: the accepted and drafted counts per position of the segment just run (each
+        row's counters less what was counted before), to the chooser."""
+        now = np.stack(jax.device_get((self.state.accepted_per_position, self.state.drafted_per_position)))
         delta, self.counted = now - self.counted, now
-        self.adaptive.record(self.k_ran, int(delta[0, :, 0].max(initial=0)), delta[1].sum(0), delta[2].sum(0))
+        self.adaptive.record(delta[0].sum(0), delta[1].sum(0))
 
     def take_ended(self):
         """Gathers the rows that ended on the device (now: the next admit donates the state) and
