@@ -19,10 +19,11 @@ from jaxspec.sampling_params import SamplingParams
 from jaxspec.serving.generate import generate
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.stats import CallMetrics, Completion, Completions, RequestStats
+from jaxspec.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "CallMetrics", "CheckpointError", "Completion", "Completions", "ConfigError", "DecodeMethod", "GraphCache",
-    "InputError", "JaxspecError", "Model", "ModelConfig", "RequestStats", "RunOptions", "SamplingParams", "generate",
-    "load", "load_config",
+    "InputError", "JaxspecError", "Model", "ModelConfig", "RequestStats", "RunOptions", "SamplingParams",
+    "StructuredOutputsParams", "generate", "load", "load_config",
 ]
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxspec.checks import check_int, check_number
 from jaxspec.errors import InputError
+from jaxspec.structured_outputs import StructuredOutputsParams
 
 SEED_LIMIT = 2**32
 
@@ -182,6 +183,11 @@ class SamplingParams:
         (), _logit_bias, "added to these tokens' logits before penalties, temperature and the filters: a JSON object "
         "of token ids to biases in [-100, 100] (OpenAI's rule)", cli={"type": _json_object})
 
+    structured_outputs: StructuredOutputsParams | None = setting(
+        None, lambda v, name: StructuredOutputsParams.of(v, name), "the output's constraint: "
+        "StructuredOutputsParams(json=..., regex=..., choice=[...], json_object=True), or its fields as an object "
+        "(command line: --json-schema FILE, --regex, --choice)")
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
@@ -249,8 +255,27 @@ def add_cli_args(parser) -> None:
                             **f.metadata["cli"])
 
 
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", dest="sampling_json_schema", metavar="FILE",
+                            help="constrain every output to JSON matching the schema in FILE (structured_outputs.json)")
+    constraint.add_argument("--regex", dest="sampling_regex", help="constrain every output to match REGEX whole "
+                            "(structured_outputs.regex)")
+    constraint.add_argument("--choice", dest="sampling_choice", action="append",
+                            help="constrain every output to one of these strings; repeat for each (structured_outputs.choice)")
+
+
 def from_cli(args, base: SamplingParams = GREEDY) -> SamplingParams:
     """add_cli_args' flags over `base`; a bad value is an InputError naming the field."""
     given = {f.name: getattr(args, f"sampling_{f.name}") for f in dataclasses.fields(SamplingParams)
              if getattr(args, f"sampling_{f.name}", None) is not None}
+    schema_file = getattr(args, "sampling_json_schema", None)
+    if schema_file is not None:
+        try:
+            with open(schema_file) as f:
+                given["structured_outputs"] = {"json": f.read()}
+        except OSError as e:
+            raise InputError(f"--json-schema: cannot read {schema_file}: {e.strerror}") from None
+    for flag in ("regex", "choice"):
+        if getattr(args, f"sampling_{flag}", None) is not None:
+            given["structured_outputs"] = {flag: getattr(args, f"sampling_{flag}")}
     return base.updated(given)

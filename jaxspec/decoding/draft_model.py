@@ -43,39 +43,42 @@ def _pick(logits: jnp.ndarray, sampling: SamplingArrays, keys: jnp.ndarray, gree
     return token, q
 
 
-def draft_chain(
-    weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray,
-    prev: jnp.ndarray, last: jnp.ndarray, sampling: SamplingArrays, keys: jnp.ndarray,
-    greedy_only: bool, attention: str = "xla",
-):
-    """Proposes K tokens per row (K = keys.shape[1]); returns (tokens [b, K], q [b, K, v] or
+def constrained_pick(logits, r: Round, keys, state):
+    """_pick under the rows' structured-output constraints (r.constraint; none: as _pick) from each
+    row's automaton state [b]: (tokens [b], distributions [b, v] or None, the state after the token)."""
+    if r.constraint is None:
+        return (*_pick(logits, r.sampling, keys, r.greedy_only), state)
+    token, q = _pick(r.constraint.masked(logits, state), r.sampling, keys, r.greedy_only)
+    return token, q, r.constraint.advance(state, token)
+
+
+def draft_chain(weights: Weights, config: ModelConfig, cache: KVCache, r: Round):
+    """Proposes K tokens per row (K = r.keys.shape[1]); returns (tokens [b, K], q [b, K, v] or
     None, cache)."""
+    n, keys = r.n, r.keys
     cache = cache.replace(lengths=n - 2)
     at_last = jnp.ones(n.shape, jnp.int32)  # logits of `last` only
-    logits, cache = forward(weights, config, jnp.stack([prev, last], axis=1), cache, attention=attention,
+    logits, cache = forward(weights, config, jnp.stack([r.prev, r.last], axis=1), cache, attention=r.attention,
                             logits_at=at_last)
-    token, q = _pick(logits[:, 0], sampling, keys[:, 0], greedy_only)
+    state = r.constraint.state if r.constraint is not None else jnp.zeros_like(n)
+    token, q, state = constrained_pick(logits[:, 0], r, keys[:, 0], state)
     cache = cache.replace(lengths=n)
 
     def step(carry, step_keys):
-        cache, token = carry
-        logits, cache = forward(weights, config, token[:, None], cache, attention=attention)
+        cache, token, state = carry
+        logits, cache = forward(weights, config, token[:, None], cache, attention=r.attention)
         cache = cache.replace(lengths=cache.lengths + 1)
-        token, q = _pick(logits[:, 0], sampling, step_keys, greedy_only)
-        return (cache, token), (token, q)
+        token, q, state = constrained_pick(logits[:, 0], r, step_keys, state)
+        return (cache, token, state), (token, q)
 
-    (cache, _), (tokens, qs) = jax.lax.scan(step, (cache, token), jnp.moveaxis(keys[:, 1:], 1, 0))
+    (cache, _, _), (tokens, qs) = jax.lax.scan(step, (cache, token, state), jnp.moveaxis(keys[:, 1:], 1, 0))
     tokens = jnp.concatenate([token[:, None], jnp.moveaxis(tokens, 0, 1)], axis=1)
     if q is not None:
         q = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     return tokens, q, cache
 
 
-def draft_tree(
-    weights: Weights, config: ModelConfig, cache: KVCache, n: jnp.ndarray, prev: jnp.ndarray,
-    last: jnp.ndarray, plan: TreePlan, sampling: SamplingArrays, keys: jnp.ndarray, greedy_only: bool,
-    attention: str = "xla",
-):
+def draft_tree(weights: Weights, config: ModelConfig, cache: KVCache, plan: TreePlan, r: Round):
     """Fills the tree level by level: the top-k children of each node by draft probability
     (greedy), or i.i.d. draws from the draft distribution (sampling). Each pass re-reads
     [s[n-2], tree nodes] (the first entry fills the draft cache's possible hole, as in chain
@@ -85,6 +88,7 @@ def draft_tree(
 
     Returns (tokens [b, t] with tokens[:, 0] = last, q [b, t-1, v] the draft distribution node
     i was drawn from at q[:, i-1] (None when greedy_only), cache)."""
+    n, prev, last, keys, greedy_only = r.n, r.prev, r.last, r.keys, r.greedy_only
     b, t = last.shape[0], plan.size
     mask = np.zeros((t + 1, t + 1), bool)
     mask[:, 0] = True
@@ -95,18 +99,24 @@ def draft_tree(
     tokens = jnp.zeros((b, t), jnp.int32).at[:, 0].set(last)
     q_all = None if greedy_only else jnp.zeros((b, t - 1, config.vocab_size), jnp.float32)
     cache = cache.replace(lengths=n - 2)
+    states = None if r.constraint is None else jnp.zeros((b, t), jnp.int32).at[:, 0].set(r.constraint.state)
     for d in range(1, plan.max_depth + 1):
         nodes = plan.level(d)
         # The head and top_k run only at this level's parents (a few rows of a 128K vocabulary).
         parents = np.unique(np.asarray(plan.parents)[nodes])
         logits, cache = forward(
             weights, config, jnp.concatenate([prev[:, None], tokens], axis=1), cache, positions, jnp.asarray(mask),
-            attention=attention, logits_at=jnp.broadcast_to(jnp.asarray(1 + parents, jnp.int32), (b, parents.size)),
+            attention=r.attention, logits_at=jnp.broadcast_to(jnp.asarray(1 + parents, jnp.int32), (b, parents.size)),
         )  # [b, parents, v]
-        chosen, q = pick_children(logits, parents, plan, nodes, sampling, keys, greedy_only)
+        if states is not None:  # each parent's logits under the constraint state its path reaches
+            logits = r.constraint.masked(logits, states[:, parents])
+        chosen, q = pick_children(logits, parents, plan, nodes, r.sampling, keys, greedy_only)
         if q is not None:
             q_all = q_all.at[:, nodes - 1].set(q)
         tokens = tokens.at[:, nodes].set(chosen)
+        if states is not None:  # a child beyond its parent's allowed tokens (top-k ran short) is dead: -1
+            of = jnp.asarray(np.asarray(plan.parents)[nodes])
+            states = states.at[:, nodes].set(r.constraint.advance(states[:, of], chosen))
     return tokens, q_all, cache
 
 
@@ -149,11 +159,9 @@ class ModelDrafter:
 
     def propose(self, weights: Weights, cache: KVCache, r: Round):
         if self.is_chain:
-            drafts, q, cache = draft_chain(weights, self.config, cache, r.n, r.prev, r.last, r.sampling, r.keys,
-                                           r.greedy_only, r.attention)
+            drafts, q, cache = draft_chain(weights, self.config, cache, r)
             return jnp.concatenate([r.last[:, None], drafts], axis=1), q, cache
-        return draft_tree(weights, self.config, cache, r.n, r.prev, r.last, TreePlan.of(self.tree), r.sampling,
-                          r.keys, r.greedy_only, r.attention)
+        return draft_tree(weights, self.config, cache, TreePlan.of(self.tree), r)
 
     def commit(self, weights: Weights, cache: KVCache, r: Round, path, emitted, kept) -> KVCache:
         # A chain's accepted drafts already sit in place; a tree's path moves there. The cache then

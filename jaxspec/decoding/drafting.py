@@ -11,7 +11,10 @@ model's weights; None for drafters without any):
 
 propose fills every node of `drafter.tree` (tokens [b, t], tokens[:, 0] = the last committed
 token) and says what each proposed node was drawn from: q [b, t-1, v], the distribution of
-node i at q[:, i-1], or None for point masses (deterministic proposals, as n-gram lookup's).
+node i at q[:, i-1], or None for point masses (deterministic proposals, as n-gram lookup's). Where a row has a
+structured-output constraint (round.constraint), a drafter that draws from a distribution draws
+from the constrained one (RowConstraints.masked, with the state its node's path reaches), so q
+is what it sampled from; point masses need nothing (a forbidden one is rejected).
 The target verifies the tree, the loop commits the accepted path (path [b, D+1], node at each
 depth) and its tokens (emitted [b, D+1], the first kept[b] of them appended), and commit lets
 the drafter follow. Losslessness does not depend on the drafter: the acceptance rule is exact
@@ -33,6 +36,7 @@ from typing import Callable, Protocol
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.decoding.constraints import RowConstraints
 from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.decoding.trees import Tree
 
@@ -48,6 +52,7 @@ class Round:
     sampling: SamplingArrays
     greedy_only: bool = struct.field(pytree_node=False)
     attention: str = struct.field(pytree_node=False)
+    constraint: RowConstraints | None = None  # the rows' structured-output constraints, if any row has one
 
 
 class Drafter(Protocol):

@@ -78,13 +78,15 @@ class EagleDrafter:
         cache = cache.replace(lengths=r.n - 1)
         if self.tree != chain(K):
             return self._tree(w, embed, logits, h, cache, r, s)
-        token, q = self._pick(w, logits[:, 0], r, 0)
+        state = None if r.constraint is None else r.constraint.state
+        token, q = self._pick(w, self._masked(w, logits[:, 0], r, state), r, 0)
         tokens, qs = [token], [q]
         for i in range(1, K):
             logits, hidden, cache = head_forward(w, self.config, embed, token[:, None], h[:, None], cache)
             cache = cache.replace(lengths=cache.lengths + 1)
             h = hidden[:, 0]
-            token, q = self._pick(w, logits[:, 0], r, i)
+            state = None if r.constraint is None else r.constraint.advance(state, token)
+            token, q = self._pick(w, self._masked(w, logits[:, 0], r, state), r, i)
             tokens.append(token)
             qs.append(q)
         drafts = jnp.stack([r.last] + tokens, axis=1)
@@ -101,6 +103,7 @@ class EagleDrafter:
         q_all = None if r.greedy_only else jnp.zeros((b, t - 1, self.config.layer.vocab_size), jnp.float32)
         outputs = jnp.zeros((b, t, root_hidden.shape[-1]), root_hidden.dtype).at[:, 0].set(root_hidden)
         logits, parents = root_logits, np.zeros(1, np.int32)
+        states = None if r.constraint is None else jnp.zeros((b, t), jnp.int32).at[:, 0].set(r.constraint.state)
         for d in range(1, plan.max_depth + 1):
             nodes = plan.level(d)
             if d > 1:  # rerun nodes 1 .. t - 1, reading their parents' outputs; logits at level d - 1
@@ -109,11 +112,24 @@ class EagleDrafter:
                     w, self.config, embed, tokens[:, 1:], outputs[:, parents_of[1:]], cache, positions,
                     jnp.broadcast_to(jnp.asarray(parents - 1, jnp.int32), (b, parents.size)), mask)
                 outputs = outputs.at[:, 1:].set(hidden)
+            if states is not None:
+                logits = self._masked(w, logits, r, states[:, parents])
             chosen, q = pick_children(logits, parents, plan, nodes, r.sampling, r.keys, r.greedy_only)
             tokens = tokens.at[:, nodes].set(w.d2t[chosen])
+            if states is not None:
+                states = states.at[:, nodes].set(r.constraint.advance(states[:, parents_of[nodes]], w.d2t[chosen]))
             if q is not None:
                 q_all = q_all.at[:, nodes - 1].set(self._to_target(w, q))
         return tokens, q_all, s.replace(cache=cache)
+
+    def _masked(self, w, logits, r: Round, states):
+        """Draft-vocabulary logits [b, ..., V_d] under the rows' constraints from states [b, ...]
+        (none: as they are). A row whose constraint allows none of the head's tokens keeps its
+        logits: its draft is then rejected, as any forbidden draft is."""
+        if r.constraint is None:
+            return logits
+        ok = r.constraint.allowed(states)[..., w.d2t]
+        return jnp.where(ok | ~jnp.any(ok, axis=-1, keepdims=True), logits, -jnp.inf)
 
     def _to_target(self, w, q):
         """A distribution over the draft vocabulary [..., V_d] -> over the target's [..., V]."""

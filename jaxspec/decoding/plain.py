@@ -8,6 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.decoding.constraints import masked
 from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
 from jaxspec.decoding.penalties import penalized, penalty_buffers, penalty_start
 from jaxspec.decoding.sampling import row_keys, sample_tokens
@@ -32,6 +33,7 @@ class DecodeState:
     num_generated: jnp.ndarray  # [b] int32
     finish: jnp.ndarray  # [b] int32: RUNNING or a FINISH_* code
     stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
+    constraint_state: jnp.ndarray  # [b] int32: each row's structured-output automaton state (constraints.py)
     out_logprobs: jnp.ndarray  # [b, max_out, 1 + k] float32 (logprobs.py), [b, 0, 0] when not asked for
     out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
     token_counts: jnp.ndarray  # [b, v] int32 output counts (penalties.py), [b, 0] when no row has a penalty
@@ -77,6 +79,7 @@ class PlainLoop:
             num_generated=zeros,
             finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
             stop_state=zeros,
+            constraint_state=zeros,
             **logprob_buffers(b, max_out, self.logprobs),
             **penalty_buffers(b, c.vocab_size, self.penalties),
         )
@@ -87,8 +90,12 @@ class PlainLoop:
         return _record(self, state, logits, scored, first, batch)
 
     def _scored(self, logits, s: DecodeState, batch: Batch):
-        """The logits that tokens are drawn from: biased and penalized when a row has a bias or a penalty."""
-        return penalized(logits, s.token_counts, s.in_prompt, s.logit_bias, batch.sampling) if self.penalties else logits
+        """The logits that tokens are drawn from: biased and penalized when a row has a bias or a
+        penalty, and masked by the row's structured-output constraint when a row has one."""
+        if self.penalties:
+            logits = penalized(logits, s.token_counts, s.in_prompt, s.logit_bias, batch.sampling)
+        tables = batch.constraint_tables.value
+        return masked(logits, tables, batch.constraint_sets, s.constraint_state) if tables.on else logits
 
     def fits(self, s: DecodeState, batch: Batch) -> jnp.ndarray:
         """[b]: a step has room in the cache (running rows only matter)."""

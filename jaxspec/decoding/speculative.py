@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.decoding.acceptance import accept_greedy, accept_sampling
+from jaxspec.decoding.constraints import RowConstraints, masked, node_states
 from jaxspec.decoding.drafting import Drafter, Round
 from jaxspec.decoding.logprobs import LOGPROB_FIELDS, logprob_buffers, token_logprobs
 from jaxspec.decoding.penalties import penalized, penalized_nodes, penalty_buffers, penalty_start
@@ -60,6 +61,7 @@ class SpecState:
     num_generated: jnp.ndarray  # [b]
     finish: jnp.ndarray  # [b]
     stop_state: jnp.ndarray  # [b] int32: each row's stop-string automaton state
+    constraint_state: jnp.ndarray  # [b] int32: each row's structured-output automaton state (constraints.py)
     out_logprobs: jnp.ndarray  # [b, max_out, 1 + k] float32 (logprobs.py), [b, 0, 0] when not asked for
     out_logprob_ids: jnp.ndarray  # [b, max_out, 1 + k] int32
     token_counts: jnp.ndarray  # [b, v] int32 output counts (penalties.py), [b, 0] when no row has a penalty
@@ -78,13 +80,16 @@ def _target_distribution(logits: jnp.ndarray, sampling: SamplingArrays) -> jnp.n
 
 
 def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache, tokens, q, n, keys,
-           sampling: SamplingArrays, greedy_only: bool, attention: str, features_at=(), penalties=None):
+           sampling: SamplingArrays, greedy_only: bool, attention: str, features_at=(), penalties=None,
+           constraint: RowConstraints | None = None):
     """The target's pass over the proposed nodes and the lossless acceptance.
     tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
     -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,
     the path's features [b, D+1, F] at features_at (forward's), or None without, and the logits
     [b, t, v] of every node, raw and as scored). penalties: (output counts [b, v], prompt tokens
-    [b, v], biases [b, v]) to penalize each node's logits with, its path's drafts counted (penalties.py)."""
+    [b, v], biases [b, v]) to penalize each node's logits with, its path's drafts counted (penalties.py).
+    constraint: the rows' structured-output constraints: each node's logits are masked by the state
+    its path reaches (constraints.py)."""
     t, D = plan.size, plan.max_depth
     is_chain = plan.parents == chain(t - 1)
     cache = cache.replace(lengths=n - 1)
@@ -99,6 +104,9 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     raw = logits
     if penalties is not None:
         logits = penalized_nodes(logits, tokens, plan.parents, *penalties, sampling)
+    if constraint is not None:
+        states = node_states(constraint.tables, constraint.sets, constraint.state, tokens, plan.parents)
+        logits = constraint.masked(logits, states)
     uniforms = None if greedy_only else jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys[:, : t - 1])
     p = None if greedy_only else _target_distribution(logits, sampling)
     if is_chain:
@@ -169,6 +177,9 @@ class SpeculativeLoop:
         rules = penalty_start(batch, c.vocab_size) if self.penalties else None
         scored = penalized(logits, jnp.zeros((b, c.vocab_size), jnp.int32), rules["in_prompt"], rules["logit_bias"],
                            batch.sampling) if self.penalties else logits
+        tables = batch.constraint_tables.value
+        if tables.on:  # every row starts in its constraint's first state
+            scored = masked(scored, tables, batch.constraint_sets, zeros)
         first = sample_tokens(scored, batch.sampling, row_keys(batch.seeds, zeros), greedy_only)
         extra = {"features": features[0]} if layers else {}
         state = SpecState(
@@ -180,6 +191,7 @@ class SpeculativeLoop:
             num_generated=zeros,
             finish=jnp.where(batch.prompt_lens > 0, RUNNING, FINISH_PADDING),
             stop_state=zeros,
+            constraint_state=zeros,
             rounds=zeros,
             accepted_per_position=jnp.zeros((b, D), jnp.int32),
             drafted_per_position=jnp.zeros((b, D), jnp.int32),
@@ -206,11 +218,13 @@ class SpeculativeLoop:
         n = batch.prompt_lens + s.num_generated  # committed tokens per row
         # Per row and round: t - 1 keys for the drafter, t - 1 uniforms and one final draw.
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * t - 1))(row_keys(batch.seeds, s.num_generated))
-        r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention)
+        tables = batch.constraint_tables.value
+        constraint = RowConstraints(tables, batch.constraint_sets, s.constraint_state) if tables.on else None
+        r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention, constraint)
         tokens, q, draft = drafter.propose(params, s.draft, r)
         accepted, emitted, path, t_cache, features, logits, scored = verify(
             weights, c, plan, s.target_cache, tokens, q, n, keys[:, t - 1 :], batch.sampling, greedy_only, attention,
-            self.feature_layers, (s.token_counts, s.in_prompt, s.logit_bias) if self.penalties else None)
+            self.feature_layers, (s.token_counts, s.in_prompt, s.logit_bias) if self.penalties else None, constraint)
         # emitted[:, j] was drawn from the verify pass's logits at the path's node j
         on_path = lambda x: jnp.take_along_axis(x, path[:, :, None], axis=1)  # noqa: E731
         per_token = self._per_token(on_path(logits), on_path(scored), emitted, batch)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.decoding.constraints import step_constraints
 from jaxspec.decoding.penalties import count_tokens
 from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.decoding.stop_strings import step_stops
@@ -36,6 +37,8 @@ class Batch:
     stop_tables: "Shared"  # [sets, states, v] the call's stop-string automata (stop_strings.py)
     bias_ids: jnp.ndarray  # [b, B] int32: each row's logit_bias token ids, -1 past them ([b, 0]: none in the call)
     bias_values: jnp.ndarray  # [b, B] float32: their biases
+    constraint_sets: jnp.ndarray  # [b] int32: each row's structured-output constraint in constraint_tables (0: none)
+    constraint_tables: "Shared"  # a ConstraintTables: the call's compiled constraints (constraints.py)
     prefix: "PrefixUse | None" = None  # rows whose prompt starts with a prefix prefilled once
 
 
@@ -107,8 +110,9 @@ def prefill_store(weights: Weights, tokens: jnp.ndarray, lens: jnp.ndarray, *, c
 def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos_ids, per_token: dict | None = None):
     """Appends the first count[b] of new [b, m] to each running row of `state`, cut after an EOS,
     a stop token or the token that completes a stop string (so a stop inside an accepted chunk
-    ends the row there) and at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish/stop_state updated,
-    tokens kept per row [b])."""
+    ends the row there), after the token that completes a row's structured-output constraint, and
+    at the row's max_new_tokens; returns (state with out_tokens/num_generated/finish/stop_state/
+    constraint_state updated, tokens kept per row [b])."""
     running = state.finish == RUNNING
     m = new.shape[1]
     j = jnp.arange(m)[None, :]
@@ -118,6 +122,11 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     else:
         first_string, stop_states = jnp.full(count.shape, m, jnp.int32), jnp.zeros(new.shape, jnp.int32)
     first = jnp.minimum(jnp.where(jnp.any(eos_hit, axis=1), jnp.argmax(eos_hit, axis=1), m), first_string)
+    tables = batch.constraint_tables.value
+    if tables.on:  # a row has a structured-output constraint: it ends on the token that completes it
+        first_done, constraint_states = step_constraints(tables, batch.constraint_sets, state.constraint_state, new,
+                                                         count)
+        first = jnp.minimum(first, first_done)
     has_stop = first < m
     kept = jnp.where(has_stop, first + 1, count)
     kept = jnp.where(running, jnp.minimum(kept, batch.max_new_tokens - state.num_generated), 0)
@@ -132,6 +141,10 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
     stop_state = jnp.where(kept > 0, jnp.take_along_axis(stop_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
                            state.stop_state)
+    if tables.on:
+        written["constraint_state"] = jnp.where(
+            kept > 0, jnp.take_along_axis(constraint_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
+            state.constraint_state)
     if state.token_counts.shape[1]:  # a row has a penalty: the loop counts each row's output tokens
         written["token_counts"] = count_tokens(state.token_counts, new, kept)
     return state.replace(out_tokens=out, num_generated=n, finish=finish, stop_state=stop_state, **written), kept

@@ -16,6 +16,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decoding.constraints import ConstraintTables
+
 
 def byte_automaton(stops: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Aho-Corasick over bytes -> (delta [states, 256] int32, done [states] int32: the stop that a
@@ -74,10 +76,15 @@ class StopPlan:
     stop-id slots per row (id_width) and its distinct stop-string sets' tables, stacked, with each
     set's number. With no stop strings the table is one zero ([1, 1, 1]: any gather reads 0).
     bias_width: the call's logit-bias slots per row (0 when no request has a logit_bias), carried
-    here as the other per-token rule of the call's shape."""
+    here as the other per-token rule of the call's shape; and its structured-output constraints'
+    automata (constraints.ConstraintTables), each constraint's number in constraint_index."""
 
-    def __init__(self, stop_sets=(), vocab: tuple[bytes, ...] | None = None, id_width: int = 1, bias_width: int = 0):
+    def __init__(self, stop_sets=(), vocab: tuple[bytes, ...] | None = None, id_width: int = 1, bias_width: int = 0,
+                 constraints: dict | None = None, vocab_size: int = 1):
         self.id_width, self.bias_width = id_width, bias_width
+        # the call's structured-output constraints: {StructuredOutputsParams: ConstraintTable}, stacked
+        self.constraint_index = {None: 0, **{c: i for i, c in enumerate(constraints or {}, 1)}}
+        self.constraint_tables = ConstraintTables.stack(list((constraints or {}).values()), vocab_size)
         self.index = {(): 0}
         for s in stop_sets:
             self.index.setdefault(tuple(s), len(self.index))

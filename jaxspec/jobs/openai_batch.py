@@ -18,6 +18,7 @@ from jaxspec.errors import InputError
 from jaxspec.sampling_params import SamplingParams
 from jaxspec.serving.requests import Request, encode_prompt, make_request, render_messages
 from jaxspec.serving.stats import RequestStats
+from jaxspec.structured_outputs import StructuredOutputsParams
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
@@ -42,6 +43,7 @@ BODY_SETTINGS = {
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",  # vLLM's extra body field
     "prompt_logprobs": "prompt_logprobs",  # vLLM's extra body field; answered in choices[0].prompt_logprobs
+    "structured_outputs": "structured_outputs",  # vLLM's extra body field: {"json": ...}, {"regex": ...}, ...
 }
 UNNAMED = ("invalid_json_line", "missing_custom_id", "invalid_custom_id")  # parse()'s codes of lines keyed "line:N"
 FINISH_REASONS = {"eos": "stop"}  # the engine's older name; "stop" and "length" pass through
@@ -84,7 +86,27 @@ def sampling_of(body: dict, url: str, defaults: SamplingParams) -> SamplingParam
         if body.get(key) is not None:
             given[field] = checks[field](body[key], f"body.{key}")
     given["logprobs"] = _logprobs(body, url, checks["logprobs"])
+    if body.get("response_format") is not None:
+        given["structured_outputs"] = _response_format(body["response_format"])
     return dataclasses.replace(defaults, **given)
+
+
+def _response_format(value) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: {"type": "text"} (none), {"type": "json_object"} (any JSON object,
+    nested at most StructuredOutputsParams.json_object_depth deep) or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise RequestError('body.response_format.json_schema must be an object with a "schema" object')
+        return StructuredOutputsParams(json=spec["schema"])
+    raise RequestError('body.response_format must be {"type": "text"}, {"type": "json_object"} or '
+                       f'{{"type": "json_schema", "json_schema": {{"schema": ...}}}}; got {json.dumps(value)}')
 
 
 def _logprobs(body: dict, url: str, check):
@@ -149,7 +171,7 @@ def build_request(data: dict, target, defaults: SamplingParams) -> Request:
     c = target.config
     try:
         return make_request(encode_prompt(prompt, target.tokenizer, field), sampling, c.vocab_size,
-                            c.max_position_embeddings, field, target.tokenizer)
+                            c.max_position_embeddings, field, target.tokenizer, c.eos_token_ids)
     except InputError as e:
         raise RequestError(str(e)) from None
 

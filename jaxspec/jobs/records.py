@@ -102,7 +102,7 @@ def build_request(data: dict, target: Model, defaults: SamplingParams) -> Reques
     sampling = defaults.updated({f: data[f] for f in SETTING_FIELDS if f in data})
     c = target.config
     return make_request(encode_prompt(prompt, target.tokenizer, "prompt"), sampling, c.vocab_size,
-                        c.max_position_embeddings, "prompt", target.tokenizer)
+                        c.max_position_embeddings, "prompt", target.tokenizer, c.eos_token_ids)
 
 
 def prepare(record: Record, target: Model, defaults: SamplingParams) -> Record:

@@ -127,6 +127,12 @@ def _byte_level_chars() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
+@functools.lru_cache(maxsize=8)
+def vocab_bytes(tokenizer, vocab_size: int) -> tuple[bytes, ...]:
+    """token_bytes, computed once per tokenizer (stop strings and output constraints read it)."""
+    return token_bytes(tokenizer, vocab_size)
+
+
 def token_bytes(tokenizer, vocab_size: int) -> tuple[bytes, ...]:
     """The bytes each token id adds to the decoded text (b"" for special tokens, which decoding
     skips, and ids past the tokenizer): byte-level BPE through its alphabet, SentencePiece-style

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
 from jaxspec.decoding.sampling import SamplingArrays
 from jaxspec.decoding.state import Batch, Shared
 from jaxspec.decoding.stop_strings import StopPlan
-from jaxspec.model.tokenizer import token_bytes
+from jaxspec.model.tokenizer import vocab_bytes
 from jaxspec.sampling_params import row_values
 from jaxspec.serving.requests import Request
+from jaxspec.structured_outputs import compile_constraint
 from pallas_kernels.tree_attention import BLOCK_K
 
 MIN_BUCKET = 16
@@ -53,15 +52,13 @@ def stop_plan(requests: list[Request], model=None) -> StopPlan:
     """A call's stops (stop_strings.StopPlan): stop-id slots for the request with the most (at
     least 1, a power of two) and the automata of their stop strings over `model`'s tokens."""
     sets = [r.sampling.stop for r in requests if r.sampling.stop]
-    vocab = _token_bytes(model.tokenizer, model.config.vocab_size) if sets else None
+    constrained = [r.sampling.structured_outputs for r in requests if r.sampling.structured_outputs is not None]
+    vocab = vocab_bytes(model.tokenizer, model.config.vocab_size) if sets or constrained else None
     width = bucket(max((len(r.sampling.stop_token_ids) for r in requests), default=1), 1)
     biased = max((len(r.sampling.logit_bias) for r in requests), default=0)
-    return StopPlan(sets, vocab, width, bucket(biased, 1) if biased else 0)
-
-
-@functools.lru_cache(maxsize=8)
-def _token_bytes(tokenizer, vocab_size: int) -> tuple[bytes, ...]:
-    return token_bytes(tokenizer, vocab_size)
+    tables = {c: compile_constraint(c, vocab, model.config.eos_token_ids) for c in dict.fromkeys(constrained)}
+    return StopPlan(sets, vocab, width, bucket(biased, 1) if biased else 0, tables,
+                    model.config.vocab_size if tables else 1)
 
 
 def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id: int,
@@ -72,6 +69,7 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
     tokens = np.full((batch_size, prompt_len), pad_id, np.int32)
     stop_ids = np.full((batch_size, stops.id_width), -1, np.int32)
     stop_sets = np.zeros(batch_size, np.int32)
+    constraint_sets = np.zeros(batch_size, np.int32)
     lens = np.zeros(batch_size, np.int32)
     max_new = np.ones(batch_size, np.int32)
     seeds = np.zeros(batch_size, np.uint32)
@@ -84,11 +82,12 @@ def make_batch(requests: list[Request], batch_size: int, prompt_len: int, pad_id
         seeds[i] = r.seed
         stop_ids[i, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
         stop_sets[i] = stops.set_of(r.sampling.stop)
+        constraint_sets[i] = stops.constraint_index[r.sampling.structured_outputs]
         for j, (token, bias) in enumerate(r.sampling.logit_bias):
             bias_ids[i, j], bias_values[i, j] = token, bias
     sampling = SamplingArrays(row_values([r.sampling for r in requests], batch_size))
     return Batch(tokens, lens, max_new, sampling, seeds, stop_ids, stop_sets, Shared(stops.tables), bias_ids,
-                 bias_values)
+                 bias_values, constraint_sets, Shared(stops.constraint_tables))
 
 
 def cache_capacity(prompt_len: int, max_out: int, slack: int) -> int:

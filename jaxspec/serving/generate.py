@@ -34,7 +34,8 @@ def build_requests(prompts, model: Model, sampling: SamplingParams | Sequence[Sa
             raise InputError(f"sampling must be a jaxspec.SamplingParams or a list of one per prompt; got {params!r}")
         field = f"prompts[{i}]"
         ids = encode_prompt(prompt, model.tokenizer, field)
-        requests += samples(make_request(ids, params, c.vocab_size, c.max_position_embeddings, field, model.tokenizer))
+        requests += samples(make_request(ids, params, c.vocab_size, c.max_position_embeddings, field, model.tokenizer,
+                                         c.eos_token_ids))
     return requests
 
 

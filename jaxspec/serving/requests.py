@@ -7,7 +7,9 @@ from typing import Sequence
 
 from jaxspec.checks import is_int
 from jaxspec.errors import InputError
+from jaxspec.model.tokenizer import vocab_bytes
 from jaxspec.sampling_params import GREEDY, SamplingParams
+from jaxspec.structured_outputs import compile_constraint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +78,18 @@ def encode_prompt(prompt, tokenizer, field: str):
 
 
 def make_request(prompt_ids, sampling: SamplingParams, vocab_size: int, context: int, field: str,
-                 tokenizer=None) -> Request:
+                 tokenizer=None, eos_ids: tuple[int, ...] = ()) -> Request:
     """A checked Request: the prompt's ids (check_token_ids), the stop token ids in the vocabulary,
-    and a tokenizer for stop strings (they are matched on the tokens' bytes)."""
+    a tokenizer for stop strings and output constraints (they are matched on the tokens' bytes),
+    and the constraint compiled over them (eos_ids: the model's; compiled once, then cached), so a
+    constraint that cannot be compiled is refused before any work."""
     ids = check_token_ids(prompt_ids, vocab_size, context, sampling.max_tokens, field)
     if sampling.stop and tokenizer is None:
         raise InputError("stop strings need the model's tokenizer, and this model has none; use stop_token_ids")
+    if sampling.structured_outputs is not None:
+        if tokenizer is None:
+            raise InputError("structured_outputs needs the model's tokenizer, and this model has none")
+        compile_constraint(sampling.structured_outputs, vocab_bytes(tokenizer, vocab_size), eos_ids)
     for t, _ in sampling.logit_bias:
         if t >= vocab_size:
             raise InputError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
