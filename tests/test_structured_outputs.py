@@ -27,7 +27,7 @@ from jaxspec.structured_outputs import compile_constraint
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 SCHEMA = json.loads((Path(__file__).parent / "data" / "structured_schema.json").read_text())
-REGEX = r"[0-9]{3}-[a-z]{2,6}( [A-Z][a-z]+)?"
+REGEX = r"[0-9]{3}-[a-z]{2,6}( [A-Z][a-z]{1,8})?"
 CHOICE = ["yes", "no", "not sure (a.k.a. [maybe])"]  # regex characters are literals in a choice
 
 
