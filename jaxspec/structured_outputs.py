@@ -191,41 +191,51 @@ def _compiled(pattern: str, vocab: tuple[bytes, ...], eos_ids: tuple[int, ...]) 
         message = str(e).replace(f"(?:{pattern}){END}", pattern)
         raise InputError(f"structured_outputs could not be compiled over this model's vocabulary: {message}") from None
     transitions = index.get_transitions()
-    tokens = {s: np.fromiter(t.keys(), np.int64, len(t)) for s, t in transitions.items()}
-    targets = {s: np.fromiter(t.values(), np.int64, len(t)) for s, t in transitions.items()}
     first = index.get_initial_state()
-    states = np.unique(np.concatenate([np.fromiter(transitions, np.int64), *targets.values()]))
-    states = np.concatenate([[first], states[states != first]])  # numbered so, the start is 0
-    ids_of = np.zeros(states.max() + 1, np.int32)
+    # every transition as (state, token, next state), states renumbered with the start as 0
+    count = np.fromiter((len(t) for t in transitions.values()), np.int64, len(transitions))
+    src = np.repeat(np.fromiter(transitions, np.int64, len(transitions)), count)
+    tok = np.concatenate([np.fromiter(ts.keys(), np.int64, len(ts)) for ts in transitions.values()])
+    dst = np.concatenate([np.fromiter(ts.values(), np.int64, len(ts)) for ts in transitions.values()])
+    states = np.unique(np.concatenate([src, dst]))
+    states = np.concatenate([[first], states[states != first]])
+    ids_of = np.zeros(states.max() + 1, np.int64)
     ids_of[states] = np.arange(len(states))
-    dense = np.full((len(states), len(vocab)), -1, np.int32)
+    src, dst = ids_of[src], ids_of[dst]
     accepting = np.zeros(len(states), bool)
-    for s in transitions:
-        keep = tokens[s] < len(vocab)
-        dense[ids_of[s], tokens[s][keep]] = ids_of[targets[s][keep]]
-        accepting[ids_of[s]] = end in transitions[s]
-    eos_cols = [e for e in eos_ids if e < len(vocab)]
-    dense[:, eos_cols] = -1
-    final_rows = np.flatnonzero(accepting)
-    if eos_cols:
-        dense[np.ix_(final_rows, eos_cols)] = final_rows[:, None]
-    eos_mask = np.zeros(len(vocab), bool)
-    eos_mask[eos_cols] = True
-    has_text = (dense[:, ~eos_mask] >= 0).any(axis=1)
-    done = accepting & ~has_text
-    classes, columns = _distinct_columns(dense)
-    return ConstraintTable(classes, columns, done, time.perf_counter() - start)
+    accepting[src[tok == end]] = True
+    text = tok < len(vocab)
+    has_text = np.zeros(len(states), bool)
+    has_text[src[text]] = True
+    finals = np.flatnonzero(accepting)
+    eos = np.asarray([e for e in eos_ids if e < len(vocab)], np.int64)
+    # an EOS keeps an accepting state (the row ends on it anyway)
+    src = np.concatenate([src[text], np.repeat(finals, len(eos))])
+    tok = np.concatenate([tok[text], np.tile(eos, len(finals))])
+    dst = np.concatenate([dst[text], np.repeat(finals, len(eos))])
+    classes, columns = _distinct_columns(src, tok, dst, len(states), len(vocab))
+    return ConstraintTable(classes, columns, accepting & ~has_text, time.perf_counter() - start)
 
 
-def _distinct_columns(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """dense [S, V] -> (each column's class [V] int32, the distinct columns [S, C]): columns grouped
-    by two random 64-bit hashes, then checked equal to their group's first (so exact)."""
+def _distinct_columns(src, tok, dst, states: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Transitions (src, tok, dst) -> (each token's class [vocab] int32, each class's next states
+    [states, classes] int32, -1 where not allowed): tokens whose transitions are the same from
+    every state share a class. Grouped by a random 64-bit hash of a token's transitions, then
+    checked transition by transition (so exact)."""
     rng = np.random.default_rng(0)
-    weights = rng.integers(1, 2**62, (dense.shape[0], 2), dtype=np.int64)
-    hashes = (dense.T.astype(np.int64) + 1) @ weights  # wraps mod 2**64: still a hash
-    _, first, classes = np.unique(hashes, axis=0, return_index=True, return_inverse=True)
-    classes = classes.reshape(-1).astype(np.int32)
-    columns = np.ascontiguousarray(dense[:, first])
-    if not np.array_equal(columns[:, classes], dense):
-        raise RuntimeError("two distinct columns of a constraint's table hashed alike")
+    hashes = np.zeros(vocab, np.uint64)  # tokens without transitions: 0, all forbidden
+    with np.errstate(over="ignore"):
+        w = rng.integers(1, 2**63, (2, states), dtype=np.uint64)
+        np.add.at(hashes, tok, w[0, src] * (dst.astype(np.uint64) + np.uint64(1)) + w[1, src])
+    _, first, classes = np.unique(hashes, return_index=True, return_inverse=True)
+    classes = classes.astype(np.int32)
+    columns = np.full((states, len(first)), -1, np.int32)
+    rep = np.zeros(vocab, bool)
+    rep[first] = True
+    at = rep[tok]
+    columns[src[at], classes[tok[at]]] = dst[at]
+    per_token = np.bincount(tok, minlength=vocab)
+    if (not np.array_equal(columns[src, classes[tok]], dst)
+            or not np.array_equal(per_token, (columns >= 0).sum(axis=0)[classes])):
+        raise RuntimeError("two tokens with different transitions hashed alike")
     return classes, columns
