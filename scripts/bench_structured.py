@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import sys
@@ -96,16 +97,17 @@ def compile_row(label: str, vocab: tuple[bytes, ...], eos: tuple[int, ...]):
 
 
 def step_costs(target, draft, vocab, rows_list, prompt_len, n1, n2, repeats):
-    """ms per round with and without the mask, plain and K=3, at each row count."""
+    """ms per round with and without the mask, plain and K=3, at each row count (the graphs
+    compiled in parallel first)."""
     repeated = StructuredOutputsParams(regex="(?:" + StructuredOutputsParams(json=SCHEMA).pattern() + ")+")
     table = compile_constraint(repeated, vocab, ())
     attention = RunOptions().attention_impl
     rng = np.random.default_rng(0)
+    cases = {}
     for rows in rows_list:
         prompts = rng.integers(1, target.config.vocab_size, (rows, prompt_len)).tolist()
         for method in (DecodeMethod("plain"), DecodeMethod("draft", 3)):
             loop, params = method.loop(target, draft)
-            out = {}
             for masked in (False, True):
                 plan = StopPlan(constraints={repeated: table} if masked else {},
                                 vocab_size=target.config.vocab_size if masked else 1)
@@ -114,20 +116,28 @@ def step_costs(target, draft, vocab, rows_list, prompt_len, n1, n2, repeats):
                     for p in prompts], rows, bucket(prompt_len), target.config.pad_token_id, plan) for n in (n1, n2)}
                 static = dict(loop=loop, capacity=cache_capacity(bucket(prompt_len), bucket(n2), loop.slack),
                               max_out=bucket(n2), greedy_only=True, attention=attention)
-                exe = decode.lower(target.weights, params, batches[n1], **static).compile()
-                timed = []
-                for n in (n1, n2):
-                    run = lambda: jax.block_until_ready(exe(target.weights, params, batches[n]))  # noqa: E731
-                    res = run()
-                    steps = int(np.max(np.asarray(res["rounds"]))) if "rounds" in res else int(
-                        np.max(np.asarray(res["num_generated"]))) - 1
-                    assert int(np.min(np.asarray(res["num_generated"]))) == n, "a row ended early"
-                    timed.append((best_seconds(run, repeats), steps, int(np.sum(np.asarray(res["num_generated"])))))
-                (s1, r1, t1), (s2, r2, t2) = timed
-                out[masked] = 1000 * (s2 - s1) / (r2 - r1)
-                emit(kind="step", rows=rows, method=method.name, mask=masked, ms_per_round=round(out[masked], 4),
-                     tokens_per_round=round((t2 - t1) / (r2 - r1) / rows, 3))
-            emit(kind="step_ratio", rows=rows, method=method.name, masked_over_plain=round(out[True] / out[False], 4))
+                cases[rows, method.name, masked] = (decode.lower(target.weights, params, batches[n1], **static), params,
+                                                    batches)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        compiled = dict(zip(cases, pool.map(lambda c: c[0].compile(), cases.values())))
+    out = {}
+    for (rows, name, masked), (_, params, batches) in cases.items():
+        exe = compiled[rows, name, masked]
+        timed = []
+        for n in (n1, n2):
+            run = lambda: jax.block_until_ready(exe(target.weights, params, batches[n]))  # noqa: E731
+            res = run()
+            steps = int(np.max(np.asarray(res["rounds"]))) if "rounds" in res else int(
+                np.max(np.asarray(res["num_generated"]))) - 1
+            assert int(np.min(np.asarray(res["num_generated"]))) == n, "a row ended early"
+            timed.append((best_seconds(run, repeats), steps, int(np.sum(np.asarray(res["num_generated"])))))
+        (s1, r1, t1), (s2, r2, t2) = timed
+        out[rows, name, masked] = ms = 1000 * (s2 - s1) / (r2 - r1)
+        emit(kind="step", rows=rows, method=name, mask=masked, ms_per_round=round(ms, 4),
+             tokens_per_round=round((t2 - t1) / (r2 - r1) / rows, 3))
+        if masked:
+            emit(kind="step_ratio", rows=rows, method=name,
+                 masked_over_plain=round(ms / out[rows, name, False], 4))
 
 
 def acceptance(target, draft):

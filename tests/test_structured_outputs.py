@@ -279,3 +279,43 @@ def test_a_constraint_that_cannot_compile_is_refused_before_any_work(pair):
         jaxspec.generate(["def f():"], target, sampling=SamplingParams(structured_outputs={"regex": "(a"}))
     with pytest.raises(jaxspec.InputError, match="structured_outputs.json could not be compiled: Unsupported type"):
         jaxspec.generate(["def f():"], target, sampling=SamplingParams(structured_outputs={"json": {"type": "foo"}}))
+
+
+def test_constraints_in_batch_files_and_on_the_command_line(pair, tmp_path, capsys):
+    """An OpenAI batch file (response_format json_schema and json_object; an invalid schema gets
+    an error line and the rest are answered) beside jaxspec's own records (structured_outputs);
+    and `jaxspec generate --json-schema FILE` / `--choice`."""
+    from jaxspec import cli
+    from jaxspec.batch import read_output
+
+    prompt = load_prompts(limit=1)[0] + "\n# Summary:\n"
+
+    def body(fmt):
+        return {"prompt": prompt, "max_tokens": 96, "response_format": fmt}
+
+    lines = [
+        {"custom_id": "schema", "method": "POST", "url": "/v1/completions",
+         "body": body({"type": "json_schema", "json_schema": {"name": "summary", "schema": SCHEMA}})},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": body({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})},
+        {"custom_id": "object", "method": "POST", "url": "/v1/completions", "body": body({"type": "json_object"})},
+        {"id": "own", "prompt": prompt, "max_tokens": 64, "structured_outputs": {"choice": CHOICE}},
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert cli.main(["batch", str(src), str(out), "--batch-size", "4", "--no-plot", "--no-progress"]) == 0
+    got = {x.get("custom_id") or x["id"]: x for x in read_output(out)}
+    assert got["bad"]["error"]["code"] == "invalid_request" and "Unsupported type: foo" in got["bad"]["error"]["message"]
+    schema = got["schema"]["response"]["body"]["choices"][0]
+    assert schema["finish_reason"] == "stop" and valid("json", schema["text"])
+    obj = got["object"]["response"]["body"]["choices"][0]
+    assert obj["finish_reason"] != "stop" or isinstance(json.loads(obj["text"]), dict)
+    assert got["own"]["text"] in CHOICE and got["own"]["finish_reason"] == "stop"
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    for flags, kind in ((["--json-schema", str(schema_file)], "json"), (["--choice", CHOICE[0], "--choice", CHOICE[1]],
+                                                                         "choice")):
+        assert cli.main(["generate", prompt, "--json", "--max-new-tokens", "96", *flags]) == 0
+        printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert printed["finish_reason"] == "stop" and valid(kind, printed["text"])
