@@ -319,3 +319,28 @@ def test_constraints_in_batch_files_and_on_the_command_line(pair, tmp_path, caps
         assert cli.main(["generate", prompt, "--json", "--max-new-tokens", "96", *flags]) == 0
         printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert printed["finish_reason"] == "stop" and valid(kind, printed["text"])
+
+
+def test_deterministic_mode_keeps_its_bits_under_a_constraint(tmp_path):
+    """bfloat16, deterministic (a tiny Llama whose small weights leave near-ties for bf16 rounding
+    to decide, over the letters a..p): constrained rows beside an unconstrained one give the same
+    tokens and logprobs, bit for bit, alone or in a batch, plain or speculative."""
+    folder = save_tiny(tmp_path / "tiny", "llama", dict(initializer_range=0.02, eos_token_id=None), seed=3)
+    char_tokenizer(folder)
+    target = jaxspec.load(folder, dtype="bfloat16")
+    prompts = [[3, 7, 1, 12, 5], [9, 2, 2, 14], [4, 4, 8, 1, 11, 6]]
+    constraints = [SO(regex="([a-d][e-p])+"), SO(choice=["abc", "abd", "abcdefgh", "pop"]), None]
+    sampling = [SamplingParams(temperature=0, max_tokens=20, seed=0, logprobs=2, structured_outputs=c)
+                for c in constraints]
+    det = dict(deterministic=True, warn_below_acceptance=0.0, max_batch_size=4)
+    plain = jaxspec.generate(prompts, target, sampling=sampling, **det)
+    alone = jaxspec.generate(prompts[:1], target, sampling=sampling[:1], **det)
+    spec = jaxspec.generate(prompts, target, target, sampling=sampling, num_draft_tokens=3, **det)
+    ngram = jaxspec.generate(prompts, target, "ngram", sampling=sampling, num_draft_tokens=3, **det)
+    for other in (spec, ngram):
+        assert [(c.token_ids, c.logprobs) for c in other] == [(c.token_ids, c.logprobs) for c in plain]
+    assert (alone[0].token_ids, alone[0].logprobs) == (plain[0].token_ids, plain[0].logprobs)
+    import re
+
+    assert re.fullmatch("([a-d][e-p])+", plain[0].text) and plain[1].text in ("abc", "abd", "abcdefgh", "pop")
+    assert spec.metrics.accepted > 0
