@@ -127,10 +127,12 @@ def tiny_dirs(tmp_path_factory):
         "qwen3": save_tiny(root / "qwen3", "qwen3", dict(head_dim=32)),
         # biases, and a vocabulary (386) that 4 does not divide: embedding and head stay whole.
         "qwen2": save_tiny(root / "qwen2", "qwen2", dict(vocab_size=386)),
+        # a mixture of experts: each expert's ffn columns split (tensor parallel inside the experts)
+        "mixtral": save_tiny(root / "mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     }
 
 
-@pytest.mark.parametrize("name", ["gqa", "mqa", "qwen3", "qwen2"])
+@pytest.mark.parametrize("name", ["gqa", "mqa", "qwen3", "qwen2", "mixtral"])
 def test_tiny_models_split_two_and_four_ways(tiny_dirs, name):
     prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
     whole = jaxspec.load(tiny_dirs[name], dtype="float32")
@@ -141,6 +143,8 @@ def test_tiny_models_split_two_and_four_ways(tiny_dirs, name):
         n = split.config.num_kv_heads
         assert n == max(whole.config.num_kv_heads, tp)  # repeated past their count
         assert _shard_shape(split.weights.layers.wqkv)[2] == n // tp
+        if whole.config.is_moe:  # [L, E, f', d]: each expert's columns split
+            assert _shard_shape(split.weights.layers.experts_down)[2] == whole.config.moe_intermediate_size // tp
         vocab_split = whole.config.vocab_size % tp == 0
         assert _shard_shape(split.weights.embed)[0] == whole.config.vocab_size // (tp if vocab_split else 1)
 

@@ -24,6 +24,10 @@ TINY = {
     "mistral_swa": ("mistral", dict(sliding_window=8)),  # shorter than every prompt below
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", dict(head_dim=32)),  # != hidden / heads = 16
+    # mixtures of experts: top-2 of 4 experts, renormalized (Mixtral always; Qwen3-MoE by its flag)
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                                    norm_topk_prob=False)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
 }
 
 

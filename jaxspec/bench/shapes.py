@@ -102,6 +102,10 @@ def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
         shapes |= {"q_norm": (k,), "k_norm": (k,)}
     if c.mlp_bias:
         shapes |= {"b_gate_up": (2, f) if mlp else ((f,), (f,)), "b_down": (d,)}
+    if c.is_moe:  # the experts replace the dense MLP
+        e, fe = c.num_experts, c.moe_intermediate_size
+        del shapes["w_gate_up"], shapes["w_down"]
+        shapes |= {"router": (d, e), "experts_gate_up": (e, d, 2, fe), "experts_down": (e, fe, d)}
     return shapes
 
 

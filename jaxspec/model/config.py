@@ -20,7 +20,10 @@ SUPPORTED_FAMILIES = {
     "mistral": "Mistral",
     "qwen2": "Qwen2 / Qwen2.5",
     "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE (every layer sparse)",
+    "mixtral": "Mixtral",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -56,10 +59,21 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    # Mixture of experts (MOE_FAMILIES; 0 experts: a dense MLP): every layer's MLP is num_experts
+    # SwiGLU experts of width moe_intermediate_size, experts_per_token of them per token, picked by
+    # a softmax router (top-k of the softmax, renormalized when norm_topk_prob)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -115,10 +129,11 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             )
         attention_bias = bool(cfg.get("attention_bias", False))
         sliding_window = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             sliding_window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window", False):
             raise ConfigError(f"use_sliding_window=true is not supported for model_type {model_type!r}")
+        moe = _moe_fields(model_type, cfg)
         eos = _as_tuple(cfg.get("eos_token_id"))
         pad = cfg.get("pad_token_id")
         if pad is None:
@@ -139,14 +154,36 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=attention_bias if model_type in ("llama", "qwen3") else False,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             pad_token_id=int(pad),
+            **moe,
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
+
+
+def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a Mixture-of-Experts config (none for a dense family)."""
+    if model_type == "mixtral":  # softmax over the chosen logits = the top-k of the softmax, renormalized
+        return dict(num_experts=int(cfg["num_local_experts"]), experts_per_token=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if model_type != "qwen3_moe":
+        return {}
+    # the hub's configs say num_experts; transformers 5 writes num_local_experts
+    experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = list(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise ConfigError(f"qwen3_moe with dense layers (decoder_sparse_step={step}, mlp_only_layers={dense}) is not "
+                          "supported yet; every layer must be sparse (decoder_sparse_step 1, mlp_only_layers [])")
+    if experts <= 0:
+        raise ConfigError(f"num_experts must be > 0 for qwen3_moe; got {experts}")
+    return dict(num_experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

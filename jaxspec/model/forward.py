@@ -400,6 +400,33 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
     return _summed_projection("btf,fd->btd", act, w.w_down, w.b_down, pad_one_row, axis, deterministic, residual)
 
 
+def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm, residual):
+    """A mixture-of-experts MLP (Qwen3-MoE's and Mixtral's): the softmax router's top
+    experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU; the
+    (token, expert) pairs sorted by expert and run as grouped matmuls (jax.lax.ragged_dot), their
+    outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
+    are split: the down products are summed over `axis`. x [b, t, d] -> x + the MLP's output."""
+    b, t, d = x.shape
+    k, e = c.experts_per_token, c.num_experts
+    h = rms_norm(x, norm.weight, norm.eps, deterministic)
+    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", h, w.router, preferred_element_type=jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
+    if c.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
+    token = order // k
+    sizes = jnp.bincount(experts.reshape(-1), length=e)
+    xs = h.reshape(b * t, d)[token]
+    f = w.experts_down.shape[1]
+    gate_up = jax.lax.ragged_dot(xs, w.experts_gate_up.reshape(e, d, 2 * f), sizes,
+                                 preferred_element_type=jnp.float32).astype(x.dtype)
+    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+    out = jax.lax.ragged_dot(act, w.experts_down, sizes, preferred_element_type=jnp.float32)
+    out = out * weights.reshape(-1)[order][:, None]
+    y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
+    return residual + _total(axis, deterministic)(y)
+
+
 def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, deterministic: bool | DeterministicParts | None,
                        residual):
     """A layer's output projection: summed over the mesh axis, plus bias, plus residual (None:
@@ -422,7 +449,10 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad
     x, cache_k, cache_v = self_attention(c, inv_freq, mask, positions, chunk_mask, impl, pad_one_row, axis, lengths,
                                          w, x, cache_k, cache_v, layer, norm=Norm(w.attn_norm, c.rms_norm_eps),
                                          residual=x)
-    x = gated_mlp(w, x, pad_one_row, axis, det, norm=Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
+    if w.router is not None:
+        x = moe_mlp(c, w, x, axis, det, Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
+    else:
+        x = gated_mlp(w, x, pad_one_row, axis, det, norm=Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
     return x, cache_k, cache_v
 
 

@@ -111,6 +111,9 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
                              "quantize=None) and drafts for a target that may be split or quantized")
         return load_eagle(path, dtype)
     config = load_config(path)
+    if config.is_moe and quantize is not None:
+        raise InputError(f"quantize {quantize!r}: {path.name} is a mixture of experts ({config.model_type}), whose "
+                         "experts have no 8-bit path yet; load it with quantize=None")
     tp = check_tensor_parallel(config, tensor_parallel, path.name)
     mesh = make_mesh(tp) if tp > 1 else None
     converted = is_converted(path)

@@ -46,14 +46,18 @@ class LayerWeights:
     wqkv: jnp.ndarray  # [d, n, g + 2, k]
     wo: jnp.ndarray  # [h, k, d]
     mlp_norm: jnp.ndarray  # [d]
-    w_gate_up: jnp.ndarray | tuple  # [d, 2, f] (gate, up) fused; ([d, f], [d, f]) on the CPU: see fuse_mlp
-    w_down: jnp.ndarray  # [f, d]
+    w_gate_up: jnp.ndarray | tuple | None = None  # [d, 2, f] (gate, up) fused; ([d, f], [d, f]) on the CPU:
+    # see fuse_mlp; None in a mixture-of-experts layer
+    w_down: jnp.ndarray | None = None  # [f, d]
     bqkv: jnp.ndarray | None = None  # [n, g + 2, k]
     bo: jnp.ndarray | None = None  # [d]
     q_norm: jnp.ndarray | None = None  # [k]
     k_norm: jnp.ndarray | None = None  # [k]
     b_gate_up: jnp.ndarray | tuple | None = None  # [2, f], or ([f], [f]) as w_gate_up
     b_down: jnp.ndarray | None = None  # [d]
+    router: jnp.ndarray | None = None  # [d, E] a mixture-of-experts layer's router
+    experts_gate_up: jnp.ndarray | None = None  # [E, d, 2, f'] each expert's gate and up, fused
+    experts_down: jnp.ndarray | None = None  # [E, f', d]
 
 
 @struct.dataclass
@@ -80,6 +84,7 @@ LAYER_AXES = {
     "mlp_norm": (None,), "w_gate_up": (None, None, "ffn"), "w_down": ("ffn", None),
     "bqkv": ("kv_heads", None, None), "bo": (None,), "q_norm": (None,), "k_norm": (None,),
     "b_gate_up": (None, "ffn"), "b_down": (None,),
+    "router": (None, None), "experts_gate_up": (None, None, None, "ffn"), "experts_down": (None, "ffn", None),
 }
 SPLIT_MLP_AXES = {"w_gate_up": (None, "ffn"), "b_gate_up": ("ffn",)}
 TOP_AXES = {"embed": ("vocab", None), "final_norm": (None,), "lm_head": (None, "vocab")}
@@ -145,6 +150,8 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
         ParamSpec("layers.wv", p + "self_attn.v_proj.weight", (n * k, d), (d, n, k), True, (None, "kv_heads", None)),
         ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True, ("heads", None, None)),
         ParamSpec("layers.mlp_norm", p + "post_attention_layernorm.weight", (d,), (d,), False),
+    ]
+    specs += expert_specs(c, p) if c.is_moe else [
         ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True, (None, "ffn")),
         ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True, (None, "ffn")),
         ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True, ("ffn", None)),
@@ -173,6 +180,27 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
+# Each family's names for a mixture-of-experts layer: (its block, the router, gate, up, down).
+EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
+
+
+def expert_specs(c: ModelConfig, p: str) -> list[ParamSpec]:
+    """A mixture-of-experts layer's router and each expert's gate, up and down, as the hub stores
+    them (one tensor per expert: fields e_gate{j}, e_up{j}, e_down{j}, stacked by fuse_layer)."""
+    d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    block, router, gate, up, down = EXPERT_NAMES[c.model_type]
+    specs = [ParamSpec("layers.router", p + f"{block}.{router}.weight", (e, d), (d, e), True)]
+    for j in range(e):
+        x = p + f"{block}.experts.{j}."
+        specs += [
+            ParamSpec(f"layers.e_gate{j}", x + f"{gate}.weight", (f, d), (d, f), True, (None, "ffn")),
+            ParamSpec(f"layers.e_up{j}", x + f"{up}.weight", (f, d), (d, f), True, (None, "ffn")),
+            ParamSpec(f"layers.e_down{j}", x + f"{down}.weight", (d, f), (f, d), True, ("ffn", None)),
+        ]
+    return specs
+
+
 def arrange_layers(layers: tuple[LayerWeights, ...]) -> tuple[LayerWeights, ...] | LayerWeights:
     """Per-layer weights as this backend runs them: kept apart, or stacked (scan_layers)."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layout.scan_layers() else layers
@@ -184,8 +212,12 @@ def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     out: split by kv heads, q/k/v stay split the same way. Fields may come a group at a time
     (FUSED_GROUPS)."""
     n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
-    out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down")
-           if name in f}
+    out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down",
+                                      "router") if name in f}
+    if "e_gate0" in f:
+        experts = range(c.num_experts)
+        out["experts_gate_up"] = jnp.stack([jnp.stack([f[f"e_gate{j}"], f[f"e_up{j}"]], axis=1) for j in experts])
+        out["experts_down"] = jnp.stack([f[f"e_down{j}"] for j in experts])
     if "wq" in f:
         out["wqkv"] = jnp.concatenate(
             [f["wq"].reshape(-1, n, g, k), f["wk"][:, :, None], f["wv"][:, :, None]], axis=2)
@@ -266,7 +298,9 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
         top[name] = (as_quantized(take(name), take(name + SCALE), quantize, CONTRACTED[name]) if name + SCALE in fields
                      else take(name).astype(dtype))
     names = [name.split(".", 1)[1] for name in fields if not name.endswith(SCALE)]
-    groups = list(FUSED_GROUPS) + [(n,) for n in names if not any(n in g for g in FUSED_GROUPS)]
+    experts = tuple(n for n in names if n.startswith("e_"))  # an MoE layer's experts stack together
+    fused = list(FUSED_GROUPS) + ([experts] if experts else [])
+    groups = fused + [(n,) for n in names if not any(n in g for g in fused)]
     layers = [{} for _ in range(config.num_layers)]
     for group in groups:
         stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}

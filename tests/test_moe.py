@@ -1,0 +1,63 @@
+"""Mixture-of-experts targets (issue 51, first step): Qwen3-MoE and Mixtral load from HF folders
+and converted checkpoints (logits against transformers: tests/test_hf_numerics.py runs both
+families), and every drafter stays lossless on them: greedy output equals plain decoding's."""
+
+import numpy as np
+import pytest
+from test_hf_numerics import engine_logits
+from tiny_models import TINY, save_tiny
+
+import jaxspec
+from jaxspec.model.checkpoint import convert_hf_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+PROMPTS = [[5, 9, 33, 7], list(range(3, 40)), [100] * 19]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    """(an MoE target, a dense draft of the same vocabulary, the target's folder)."""
+    kind, overrides = TINY[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    target = jaxspec.load(save_tiny(root / "t", kind, overrides, seed=1), dtype="float32")
+    draft = jaxspec.load(save_tiny(root / "d", "llama", {"num_hidden_layers": 1}, seed=2), dtype="float32")
+    return target, draft, root / "t"
+
+
+def test_every_drafter_gives_plain_greedy_output(moe, tmp_path):
+    """A dense draft model's chain and tree, the target drafting for itself (long accepted runs:
+    verify passes whose tokens route to many experts at once), n-gram lookup and a random EAGLE-3
+    head, in one batch of three prompts."""
+    from jaxspec.model.eagle import random_eagle_folder
+
+    target, draft, _ = moe
+    head = jaxspec.load(random_eagle_folder(tmp_path / "head", target.config, draft_vocab_size=256, seed=5),
+                        dtype="float32")
+    plain = [o.token_ids for o in jaxspec.generate(PROMPTS, target, max_new_tokens=24)]
+    for how, kw in [(draft, dict(num_draft_tokens=3)), (draft, dict(tree="binary-3")),
+                    (target, dict(num_draft_tokens=4)), ("ngram", dict(num_draft_tokens=3)),
+                    (head, dict(num_draft_tokens=3))]:
+        spec = jaxspec.generate(PROMPTS, target, how, max_new_tokens=24, warn_below_acceptance=0.0, **kw)
+        assert [o.token_ids for o in spec] == plain, how
+    self_drafted = jaxspec.generate(PROMPTS, target, target, max_new_tokens=24, num_draft_tokens=4)
+    assert self_drafted.metrics.acceptance_rate > 0.9  # the verify passes ran many tokens through the experts
+
+
+def test_a_converted_checkpoint_gives_the_folders_logits(moe, tmp_path):
+    target, _, folder = moe
+    converted = jaxspec.load(convert_hf_checkpoint(folder, tmp_path / "ckpt"), dtype="float32")
+    tokens = np.asarray([PROMPTS[1][:16]])
+    np.testing.assert_array_equal(engine_logits(converted, tokens), engine_logits(target, tokens))
+
+
+def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
+    target, _, folder = moe
+    with pytest.raises(jaxspec.InputError, match="no 8-bit path yet"):
+        jaxspec.load(folder, quantize="int8")
+    with pytest.raises(jaxspec.InputError, match="deterministic mode does not cover mixtures of experts"):
+        jaxspec.generate([PROMPTS[0]], target, deterministic=True, max_new_tokens=4)
+    if target.config.model_type == "qwen3_moe":
+        kind, overrides = TINY["qwen3_moe"]
+        mixed = save_tiny(tmp_path / "mixed", kind, {**overrides, "mlp_only_layers": [1]})
+        with pytest.raises(jaxspec.ConfigError, match=r"mlp_only_layers=\[1\]\) is not supported yet"):
+            jaxspec.load(mixed)
