@@ -69,8 +69,31 @@ SHAPES = {
     "llama3-70b": _llama3(8192, 28672, 80, 64, 8, tied=False),
     "qwen2.5-7b": _qwen25(152064, 3584, 18944, 28, 28, 4, tied=False),
     "qwen2.5-0.5b": _qwen25(151936, 896, 4864, 24, 14, 2, tied=True),
+    # Mixtures of experts at their real widths, 8 of their layers (48 and 32): a whole model fits
+    # neither the GPU machine's disk nor, for Mixtral, one GPU in bf16; costs are reported per layer.
+    "qwen3-30b-a3b-8l": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    },
+    "mixtral-8x7b-8l": {
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 8, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-0.6b": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+    },
     # For tests of the benchmark itself: a Llama of a few hundred thousand parameters.
     "tiny": _llama3(64, 128, 2, 4, 2, tied=False) | {"vocab_size": 512, "max_position_embeddings": 4096},
+    "tiny-moe": {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                 "moe_intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "max_position_embeddings": 4096},
 }
 
 

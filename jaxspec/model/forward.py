@@ -402,9 +402,11 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
 
 def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm, residual):
     """A mixture-of-experts MLP (Qwen3-MoE's and Mixtral's): the softmax router's top
-    experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU; the
-    (token, expert) pairs sorted by expert and run as grouped matmuls (jax.lax.ragged_dot), their
-    outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
+    experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU. Few
+    (token, expert) pairs (at most one per expert): the chosen experts' weights gathered and
+    applied per pair (on the H200, 3.5x ragged_dot's speed for one token of Qwen3-30B-A3B's layer,
+    DESIGN.md). More: the pairs sorted by expert and run as grouped matmuls (jax.lax.ragged_dot),
+    their outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
     are split: the down products are summed over `axis`. x [b, t, d] -> x + the MLP's output."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
@@ -413,6 +415,13 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if b * t * k <= e:  # fewer (token, expert) pairs than experts (decode, a short verify): read only theirs
+        gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[experts],
+                             preferred_element_type=jnp.float32).astype(x.dtype)
+        act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        out = jnp.einsum("btkf,btkfd->btkd", act, w.experts_down[experts], preferred_element_type=jnp.float32)
+        y = jnp.sum(out * weights[..., None], axis=2).astype(x.dtype)
+        return residual + _total(axis, deterministic)(y)
     order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
     token = order // k
     sizes = jnp.bincount(experts.reshape(-1), length=e)

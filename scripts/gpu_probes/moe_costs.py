@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Mixture-of-experts costs at real widths (issue 51), random weights, one JSON line each:
+
+- layer: one layer's bytes: attention (q/k/v/o), router, one expert (gate, up, down);
+- step: the plain decode step through the engine's loop at each batch (ms, by the difference of
+  two budgets, so the prefill cancels), the unique experts its tokens chose per layer (the router's
+  choices, read back by a host callback in a separate, untimed pass), and the fraction of the
+  floor of the bytes it must read (embedding rows aside: every layer's attention and router, the
+  union of chosen experts, the LM head) at the device's copy bandwidth;
+- verify: one forward pass over K + 1 tokens per row (a chain's verify pass) against one token,
+  with the unique experts of those tokens: what a verify round costs relative to a plain step;
+- expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights) and
+  the grouped path (jax.lax.ragged_dot over tokens sorted by expert), us per call.
+
+    python3 scripts/gpu_probes/moe_costs.py --shape qwen3-30b-a3b-8l
+    python3 scripts/gpu_probes/moe_costs.py --shape mixtral-8x7b-8l
+    python3 scripts/gpu_probes/moe_costs.py --shape tiny-moe --dtype float32 --batches 1,2 --ks 1  # a check
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec.model.forward as fwd
+from jaxspec.bench.common import best_seconds, machine
+from jaxspec.bench.shapes import random_model
+from jaxspec.decoding.loop import decode
+from jaxspec.decoding.method import DecodeMethod
+from jaxspec.model.cache import KVCache
+from jaxspec.sampling_params import GREEDY
+from jaxspec.serving.batching import bucket, cache_capacity, make_batch
+from jaxspec.serving.options import RunOptions
+from jaxspec.serving.requests import Request
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    x = jnp.ones((256 * 2**20,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    s = best_seconds(lambda: jax.block_until_ready(f(x)), 5)
+    return 2 * x.nbytes / s
+
+
+def layer_bytes(model) -> dict:
+    w = jax.tree.map(lambda a: a[0] if a.ndim and not isinstance(model.weights.layers, tuple) else a,
+                     model.weights.layers if not isinstance(model.weights.layers, tuple) else model.weights.layers[0])
+    item = jnp.dtype(model.dtype).itemsize
+    c = model.config
+    one_expert = 3 * c.hidden_size * c.moe_intermediate_size * item
+    return {"attention": w.wqkv.nbytes + w.wo.nbytes, "router": w.router.nbytes, "expert": one_expert,
+            "head": c.hidden_size * c.vocab_size * item}
+
+
+def unique_experts(model, tokens: np.ndarray, cache_len: int) -> float:
+    """Mean over layers of the distinct experts that `tokens` [b, t] choose (after a prefix of
+    cache_len random tokens), read by a host callback from the router's top-k."""
+    seen = []
+    real = fwd.moe_mlp
+
+    def recording(c, w, x, axis, det, norm, residual):
+        h = fwd.rms_norm(x, norm.weight, norm.eps, det)
+        probs = jnp.einsum("btd,de->bte", h, w.router, preferred_element_type=jnp.float32)
+        chosen = jax.lax.top_k(probs, c.experts_per_token)[1]
+        jax.debug.callback(lambda e: seen.append(len(np.unique(np.asarray(e)))), chosen[:, -tokens.shape[1]:])
+        return real(c, w, x, axis, det, norm, residual)
+
+    fwd.moe_mlp = recording
+    try:
+        b = tokens.shape[0]
+        prefix = np.random.default_rng(1).integers(1, model.config.vocab_size, (b, cache_len))
+        cache = KVCache.create(model.config, b, cache_len + tokens.shape[1], model.dtype,
+                               stacked=not isinstance(model.weights.layers, tuple))
+        jax.block_until_ready(fwd.forward(model.weights, model.config, jnp.asarray(np.concatenate([prefix, tokens], 1),
+                                                                                   jnp.int32), cache))
+    finally:
+        fwd.moe_mlp = real
+    return float(np.mean(seen))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--ks", default="1,3,5")
+    p.add_argument("--tokens", default="1,4,8,32,64", help="token counts of the expert-op comparison")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", default="17,49")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    model = random_model(args.shape, args.dtype)
+    c = model.config
+    bw = copy_bandwidth()
+    sizes = layer_bytes(model)
+    emit(kind="machine", shape=args.shape, dtype=args.dtype, copy_gb_s=round(bw / 1e9, 1), **machine())
+    emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
+    rng = np.random.default_rng(0)
+    loop, _ = DecodeMethod("plain").loop(model, None)
+    n1, n2 = (int(x) for x in args.new_tokens.split(","))
+    attention = RunOptions().attention_impl
+
+    def floor_s(experts: float) -> float:
+        per_layer = sizes["attention"] + sizes["router"] + experts * sizes["expert"]
+        return (c.num_layers * per_layer + sizes["head"]) / (bw / 2)  # a read is half a copy's traffic
+
+    for b in (int(x) for x in args.batches.split(",")):
+        prompts = rng.integers(1, c.vocab_size, (b, args.prompt_len)).tolist()
+        batches = {n: make_batch([Request(tuple(q), dataclasses.replace(GREEDY, max_tokens=n)) for q in prompts], b,
+                                 bucket(args.prompt_len), c.pad_token_id) for n in (n1, n2)}
+        exe = decode.lower(model.weights, None, batches[n1], loop=loop, greedy_only=True, attention=attention,
+                           capacity=cache_capacity(bucket(args.prompt_len), bucket(n2), 0), max_out=bucket(n2)).compile()
+        times = [best_seconds(lambda n=n: jax.block_until_ready(exe(model.weights, None, batches[n])), args.repeats)
+                 for n in (n1, n2)]
+        ms = 1000 * (times[1] - times[0]) / (n2 - n1)
+        experts = unique_experts(model, rng.integers(1, c.vocab_size, (b, 1)), args.prompt_len)
+        emit(kind="step", batch=b, ms=round(ms, 4), unique_experts_per_layer=round(experts, 1),
+             floor_ms=round(1000 * floor_s(experts), 4), of_floor=round(1000 * floor_s(experts) / ms, 3))
+
+    # a verify pass over K + 1 tokens per row, against one token, at batch 1
+    fwd_jit = jax.jit(fwd.forward, static_argnums=1, static_argnames=("attention",))
+    cache = KVCache.create(c, 1, args.prompt_len + 8, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
+    cache = cache.replace(lengths=jnp.full((1,), args.prompt_len, jnp.int32))
+    base = None
+    for k in [0] + [int(x) for x in args.ks.split(",")]:
+        tokens = jnp.asarray(rng.integers(1, c.vocab_size, (1, k + 1)), jnp.int32)
+        run = lambda t=tokens: jax.block_until_ready(fwd_jit(model.weights, c, t, cache, attention=attention))  # noqa: E731
+        run()
+        ms = 1000 * best_seconds(run, args.repeats)
+        base = base or ms
+        experts = unique_experts(model, np.asarray(tokens), args.prompt_len)
+        emit(kind="verify", k=k, ms=round(ms, 4), over_one_token=round(ms / base, 3),
+             unique_experts_per_layer=round(experts, 1), floor_ms=round(1000 * floor_s(experts), 4))
+
+    # one layer's experts, gather path against ragged_dot, at T tokens (T * k pairs)
+    layer = jax.tree.map(lambda a: a[0], model.weights.layers) if not isinstance(model.weights.layers, tuple) \
+        else model.weights.layers[0]
+    e, k, d, f = c.num_experts, c.experts_per_token, c.hidden_size, c.moe_intermediate_size
+
+    @jax.jit
+    def gathered(h, experts, wg, wd):
+        gu = jnp.einsum("td,tkdcf->tkcf", h, wg[experts], preferred_element_type=jnp.float32).astype(h.dtype)
+        return jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], wd[experts])
+
+    @jax.jit
+    def grouped(h, experts, wg, wd):
+        order = jnp.argsort(experts.reshape(-1), stable=True)
+        sizes = jnp.bincount(experts.reshape(-1), length=e)
+        xs = h[order // k]
+        gu = jax.lax.ragged_dot(xs, wg.reshape(e, d, 2 * f), sizes, preferred_element_type=jnp.float32).astype(h.dtype)
+        return jax.lax.ragged_dot(jax.nn.silu(gu[:, :f]) * gu[:, f:], wd, sizes)
+
+    for t in (int(x) for x in args.tokens.split(",")):
+        h = jnp.asarray(rng.standard_normal((t, d)), model.dtype)
+        experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+        unique = len(np.unique(np.asarray(experts)))
+        row = {}
+        for name, fn in (("gather", gathered), ("ragged_dot", grouped)):
+            call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
+            call()
+            row[name + "_us"] = round(1e6 * best_seconds(call, args.repeats), 1)
+        floor_us = 1e6 * unique * sizes["expert"] / (bw / 2)
+        emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
+             gather_of_floor=round(floor_us / row["gather_us"], 3), ragged_of_floor=round(floor_us / row["ragged_dot_us"], 3))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
