@@ -26,8 +26,8 @@ def moe(request, tmp_path_factory):
 
 def test_every_drafter_gives_plain_greedy_output(moe, tmp_path):
     """A dense draft model's chain and tree, the target drafting for itself (long accepted runs:
-    verify passes whose tokens route to many experts at once), n-gram lookup and a random EAGLE-3
-    head, in one batch of three prompts."""
+    verify passes whose tokens route to many experts at once), n-gram and suffix lookup and a
+    random EAGLE-3 head, in one batch of three prompts."""
     from jaxspec.model.eagle import random_eagle_folder
 
     target, draft, _ = moe
@@ -36,6 +36,7 @@ def test_every_drafter_gives_plain_greedy_output(moe, tmp_path):
     plain = [o.token_ids for o in jaxspec.generate(PROMPTS, target, max_new_tokens=24)]
     for how, kw in [(draft, dict(num_draft_tokens=3)), (draft, dict(tree="binary-3")),
                     (target, dict(num_draft_tokens=4)), ("ngram", dict(num_draft_tokens=3)),
+                    ("suffix", dict(num_draft_tokens=3)),
                     (head, dict(num_draft_tokens=3))]:
         spec = jaxspec.generate(PROMPTS, target, how, max_new_tokens=24, warn_below_acceptance=0.0, **kw)
         assert [o.token_ids for o in spec] == plain, how
