@@ -42,6 +42,12 @@ def test_every_drafter_gives_plain_greedy_output(moe, tmp_path):
         assert [o.token_ids for o in spec] == plain, how
     self_drafted = jaxspec.generate(PROMPTS, target, target, max_new_tokens=24, num_draft_tokens=4)
     assert self_drafted.metrics.acceptance_rate > 0.9  # the verify passes ran many tokens through the experts
+    # a verify pass of 5 tokens reads between 2 (top-2) and all 4 experts per layer; plain steps report none
+    c = target.config
+    for o in self_drafted:
+        assert c.experts_per_token < o.stats.experts_per_layer <= c.num_experts
+    assert c.experts_per_token < self_drafted.metrics.experts_per_layer <= c.num_experts
+    assert jaxspec.generate(PROMPTS[:1], target, max_new_tokens=4)[0].stats.experts_per_layer is None
 
 
 def test_a_converted_checkpoint_gives_the_folders_logits(moe, tmp_path):

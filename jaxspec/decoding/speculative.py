@@ -70,6 +70,7 @@ class SpecState:
     rounds: jnp.ndarray  # [b] target verify passes while the row was running
     accepted_per_position: jnp.ndarray  # [b, D] accepted at draft position / tree depth j + 1
     drafted_per_position: jnp.ndarray  # [b, D] rounds that drafted position / depth j + 1 (adaptive K varies it)
+    experts_read: jnp.ndarray  # [b] float32 a mixture of experts' distinct experts per layer, summed over verify passes
 
 
 def _target_distribution(logits: jnp.ndarray, sampling: SamplingArrays) -> jnp.ndarray:
@@ -85,22 +86,26 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     """The target's pass over the proposed nodes and the lossless acceptance.
     tokens [b, t]; q [b, t-1, v] or None (point masses); keys [b, t, 2]: t-1 uniforms, 1 final.
     -> (accepted depth [b], emitted [b, D+1], path [b, D+1], target cache with the path in place,
-    the path's features [b, D+1, F] at features_at (forward's), or None without, and the logits
-    [b, t, v] of every node, raw and as scored). penalties: (output counts [b, v], prompt tokens
+    the path's features [b, D+1, F] at features_at (forward's), or None without, the logits
+    [b, t, v] of every node, raw and as scored, and a mixture of experts' distinct experts read
+    per row and layer [b]: zeros for a dense target). penalties: (output counts [b, v], prompt tokens
     [b, v], biases [b, v]) to penalize each node's logits with, its path's drafts counted (penalties.py).
     constraint: the rows' structured-output constraints: each node's logits are masked by the state
     its path reaches (constraints.py)."""
     t, D = plan.size, plan.max_depth
     is_chain = plan.parents == chain(t - 1)
     cache = cache.replace(lengths=n - 1)
+    routing = config.is_moe
     if is_chain:
-        logits, cache, *features = forward(weights, config, tokens, cache, attention=attention,
-                                           features_at=features_at)
+        logits, cache, *extra = forward(weights, config, tokens, cache, attention=attention,
+                                        features_at=features_at, routing=routing)
     else:
         positions = (n - 1)[:, None] + jnp.asarray(plan.depth, jnp.int32)[None, :]
-        logits, cache, *features = forward(weights, config, tokens, cache, positions,
-                                           jnp.asarray(ancestor_mask(plan.parents)), attention=attention,
-                                           features_at=features_at)
+        logits, cache, *extra = forward(weights, config, tokens, cache, positions,
+                                        jnp.asarray(ancestor_mask(plan.parents)), attention=attention,
+                                        features_at=features_at, routing=routing)
+    features = extra[:1] if features_at else []
+    experts = unique_experts(extra[-1], config.num_experts) if routing else jnp.zeros(n.shape, jnp.float32)
     raw = logits
     if penalties is not None:
         logits = penalized_nodes(logits, tokens, plan.parents, *penalties, sampling)
@@ -128,7 +133,16 @@ def verify(weights: Weights, config: ModelConfig, plan: TreePlan, cache: KVCache
     j = jnp.arange(D + 1)[None, :]
     emitted = jnp.where(j < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), next_token[:, None])
     path_features = jnp.take_along_axis(features[0], path[:, :, None], axis=1) if features else None
-    return accepted, emitted, path, cache, path_features, raw, logits
+    return accepted, emitted, path, cache, path_features, raw, logits, experts
+
+
+def unique_experts(routing: jnp.ndarray, num_experts: int) -> jnp.ndarray:
+    """routing [L, b, t, k] (the experts each node chose in each layer) -> [b] float32: the
+    distinct experts each row's pass read per layer, the mean over layers."""
+    L, b, t, k = routing.shape
+    hit = jnp.zeros((L, b, num_experts), bool).at[
+        jnp.arange(L)[:, None, None], jnp.arange(b)[None, :, None], routing.reshape(L, b, t * k)].set(True)
+    return jnp.sum(hit, axis=(0, 2)).astype(jnp.float32) / L
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +158,7 @@ class SpeculativeLoop:
     @property
     def result_fields(self) -> tuple[str, ...]:
         fields = ("out_tokens", "num_generated", "finish", "rounds", "accepted_per_position", "drafted_per_position")
+        fields += ("experts_read",) if self.config.is_moe else ()
         return fields + (LOGPROB_FIELDS if self.logprobs >= 0 else ())
 
     def _per_token(self, logits, scored, chosen, batch: Batch) -> dict | None:
@@ -195,6 +210,7 @@ class SpeculativeLoop:
             rounds=zeros,
             accepted_per_position=jnp.zeros((b, D), jnp.int32),
             drafted_per_position=jnp.zeros((b, D), jnp.int32),
+            experts_read=jnp.zeros((b,), jnp.float32),
             **logprob_buffers(b, max_out, self.logprobs),
             **penalty_buffers(b, c.vocab_size, self.penalties),
         )
@@ -222,7 +238,7 @@ class SpeculativeLoop:
         constraint = RowConstraints(tables, batch.constraint_sets, s.constraint_state) if tables.on else None
         r = Round(n, s.prev_token, s.last_token, keys[:, : t - 1], batch.sampling, greedy_only, attention, constraint)
         tokens, q, draft = drafter.propose(params, s.draft, r)
-        accepted, emitted, path, t_cache, features, logits, scored = verify(
+        accepted, emitted, path, t_cache, features, logits, scored, experts = verify(
             weights, c, plan, s.target_cache, tokens, q, n, keys[:, t - 1 :], batch.sampling, greedy_only, attention,
             self.feature_layers, (s.token_counts, s.in_prompt, s.logit_bias) if self.penalties else None, constraint)
         # emitted[:, j] was drawn from the verify pass's logits at the path's node j
@@ -247,6 +263,7 @@ class SpeculativeLoop:
             rounds=s.rounds + running,
             accepted_per_position=s.accepted_per_position + (running[:, None] & at_depth),
             drafted_per_position=s.drafted_per_position + (running[:, None] & (depth < D)),
+            experts_read=s.experts_read + jnp.where(running, experts, 0),
         )
 
     def resume(self, params, batch: Batch, s: SpecState) -> SpecState:

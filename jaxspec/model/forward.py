@@ -407,7 +407,8 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     applied per pair (on the H200, 3.5x ragged_dot's speed for one token of Qwen3-30B-A3B's layer,
     DESIGN.md). More: the pairs sorted by expert and run as grouped matmuls (jax.lax.ragged_dot),
     their outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
-    are split: the down products are summed over `axis`. x [b, t, d] -> x + the MLP's output."""
+    are split: the down products are summed over `axis`. x [b, t, d] -> (x + the MLP's output,
+    the experts each token chose [b, t, k])."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
     h = rms_norm(x, norm.weight, norm.eps, deterministic)
@@ -421,7 +422,7 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         out = jnp.einsum("btkf,btkfd->btkd", act, w.experts_down[experts], preferred_element_type=jnp.float32)
         y = jnp.sum(out * weights[..., None], axis=2).astype(x.dtype)
-        return residual + _total(axis, deterministic)(y)
+        return residual + _total(axis, deterministic)(y), experts
     order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
     token = order // k
     sizes = jnp.bincount(experts.reshape(-1), length=e)
@@ -433,7 +434,7 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     out = jax.lax.ragged_dot(act, w.experts_down, sizes, preferred_element_type=jnp.float32)
     out = out * weights.reshape(-1)[order][:, None]
     y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
-    return residual + _total(axis, deterministic)(y)
+    return residual + _total(axis, deterministic)(y), experts
 
 
 def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, deterministic: bool | DeterministicParts | None,
@@ -448,7 +449,8 @@ def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, determini
 
 def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis, lengths,
            w: LayerWeights, x, cache_k, cache_v, layer=None):
-    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v). The caches are this layer's
+    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v, the experts each token chose [b, t, k]:
+    [b, t, 0] in a dense layer). The caches are this layer's
     [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
     pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
     ffn columns (c is then the shard's config): the o and down products are summed over it.
@@ -459,10 +461,11 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad
                                          w, x, cache_k, cache_v, layer, norm=Norm(w.attn_norm, c.rms_norm_eps),
                                          residual=x)
     if w.router is not None:
-        x = moe_mlp(c, w, x, axis, det, Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
+        x, experts = moe_mlp(c, w, x, axis, det, Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
     else:
         x = gated_mlp(w, x, pad_one_row, axis, det, norm=Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
-    return x, cache_k, cache_v
+        experts = jnp.zeros(x.shape[:2] + (0,), jnp.int32)
+    return x, cache_k, cache_v, experts
 
 
 def forward(
@@ -478,11 +481,13 @@ def forward(
     logits_at: jnp.ndarray | None = None,  # [b] or [b, m] int32: the positions whose logits are wanted
     features_at: tuple[int, ...] = (),  # layers whose input (the residual stream) is also returned;
     # num_layers: the last layer's output (before the final norm)
+    routing: bool = False,  # also return the experts each token chose in each layer (mixtures of experts)
 ):
     """Runs t new tokens per row; returns (logits [b, t, v] float32 (or [b, m, v] at `logits_at`),
     cache with their K/V written), and with features_at a third item: the hidden states entering
     those layers, concatenated, [b, t, len(features_at) * d] (every token's: what an EAGLE-3
-    head reads, jaxspec.model.eagle).
+    head reads, jaxspec.model.eagle); with routing, a last item: the experts each token chose in
+    each layer [L, b, t, k] ([L, b, t, 0] for a dense model).
 
     The cache's lengths are not advanced: the caller commits what it keeps. The layers run
     unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights. Weights split
@@ -500,17 +505,17 @@ def forward(
     features_at = tuple(features_at)
     if weights.mesh is None:
         out = _forward(config, attention, None, features_at, weights, cache, *inputs)
-        return out if features_at else out[:2]
-    tp = weights.mesh.size
-    run = jax.shard_map(
-        functools.partial(_forward, local_config(config, tp), attention, TP, features_at),
-        mesh=weights.mesh,
-        in_specs=(weight_specs(weights, config), cache_specs(cache)) + (PartitionSpec(),) * 4,
-        out_specs=(PartitionSpec(), cache_specs(cache), PartitionSpec()),
-        check_vma=False,  # the Pallas kernel's outputs carry no replication annotations
-    )
-    out = run(weights, cache, *inputs)
-    return out if features_at else out[:2]
+    else:
+        tp = weights.mesh.size
+        run = jax.shard_map(
+            functools.partial(_forward, local_config(config, tp), attention, TP, features_at),
+            mesh=weights.mesh,
+            in_specs=(weight_specs(weights, config), cache_specs(cache)) + (PartitionSpec(),) * 4,
+            out_specs=(PartitionSpec(), cache_specs(cache), PartitionSpec(), PartitionSpec()),  # routing: the router is whole
+            check_vma=False,  # the Pallas kernel's outputs carry no replication annotations
+        )
+        out = run(weights, cache, *inputs)
+    return out[:2] + ((out[2],) if features_at else ()) + ((out[3],) if routing else ())
 
 def _embed(table, tokens, axis, vocab_size: int):
     """Rows of the embedding. Split by vocabulary over `axis`, each shard gives the rows it holds
@@ -525,7 +530,8 @@ def _embed(table, tokens, axis, vocab_size: int):
 
 def _forward(config, attention, axis, features_at, weights, cache, tokens, positions, chunk_mask, logits_at):
     """forward on whole weights (axis None), or on one shard of them (config: the shard's):
-    (logits, cache, features [b, t, len(features_at) * d], empty without features_at)."""
+    (logits, cache, features [b, t, len(features_at) * d], empty without features_at, the
+    experts chosen [L, b, t, k])."""
     for i in features_at:
         if not 0 <= i <= config.num_layers:
             raise InputError(f"feature layers must be in [0, {config.num_layers}]; got {features_at}")
@@ -543,14 +549,15 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
                               cache.lengths)
     features = [None] * len(features_at)
     if unrolled:  # unrolled over separate arrays
-        new_k, new_v = [], []
+        new_k, new_v, routed = [], [], []
         for i, (w, cache_k, cache_v) in enumerate(zip(weights.layers, cache.k, cache.v)):
             features = [x if at == i else f for f, at in zip(features, features_at)]
             with jax.named_scope(f"layer{i}"):
-                x, cache_k, cache_v = layer(w, x, cache_k, cache_v)
+                x, cache_k, cache_v, experts = layer(w, x, cache_k, cache_v)
             new_k.append(cache_k)
             new_v.append(cache_v)
-        new_k, new_v = tuple(new_k), tuple(new_v)
+            routed.append(experts)
+        new_k, new_v, routed = tuple(new_k), tuple(new_v), jnp.stack(routed)
         features = [x if at == config.num_layers else f for f, at in zip(features, features_at)]
     else:  # stacked, scanned (scan_layers)
         at = jnp.asarray(features_at, jnp.int32)
@@ -559,10 +566,11 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
             x, cache_k, cache_v, feats = carry
             w, i = xs
             feats = jnp.where((at == i)[:, None, None, None], x[None], feats)  # the layers' inputs, kept
-            return (*layer(w, x, cache_k, cache_v, i), feats), None
+            x, cache_k, cache_v, experts = layer(w, x, cache_k, cache_v, i)
+            return (x, cache_k, cache_v, feats), experts
 
         feats = jnp.zeros((len(features_at),) + x.shape, x.dtype)
-        (x, new_k, new_v, feats), _ = jax.lax.scan(
+        (x, new_k, new_v, feats), routed = jax.lax.scan(
             body, (x, cache.k, cache.v, feats), (weights.layers, jnp.arange(config.num_layers)))
         feats = jnp.where((at == config.num_layers)[:, None, None, None], x[None], feats)
         features = list(feats)
@@ -581,4 +589,4 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
                           preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] != config.vocab_size:  # split by vocabulary
         logits = lax.all_gather(logits, axis, axis=2, tiled=True)
-    return logits, cache.replace(k=new_k, v=new_v), features
+    return logits, cache.replace(k=new_k, v=new_v), features, routed

@@ -19,7 +19,7 @@ from jaxspec.serving.continuous import ADMIT_ORDERS, run_slots
 from jaxspec.serving.prefixes import PREFIX_CACHE_TOKENS, prefix_store
 from jaxspec.serving.requests import Request
 from jaxspec.serving.static import run_static
-from jaxspec.serving.stats import CallMetrics, Completion, Completions
+from jaxspec.serving.stats import CallMetrics, Completion, Completions, RequestStats
 
 SCHEDULERS = ("static", "continuous")
 
@@ -94,6 +94,7 @@ def run(
         prompt_tokens=prompt_tokens,
         prefill_tokens=prompt_tokens - (store.reused - store.computed if store else 0),
         cached_tokens=sum(c.stats.cached_tokens for c in results),
+        experts_per_layer=RequestStats.combined([c.stats for c in results]).experts_per_layer if results else None,
     ))
 
 

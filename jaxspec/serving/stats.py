@@ -34,6 +34,9 @@ class RequestStats(_Rates):
     # prompt tokens whose keys and values came from a prefix another request of the call ran
     # (vLLM's num_cached_tokens, OpenAI's usage.prompt_tokens_details.cached_tokens)
     cached_tokens: int = 0
+    # a mixture-of-experts target's distinct experts per layer that a verify pass read, the mean
+    # over its passes (what a round's bytes follow); None for a dense target or plain decoding
+    experts_per_layer: float | None = None
 
     @property
     def per_position_acceptance(self) -> tuple[float, ...]:
@@ -48,9 +51,11 @@ class RequestStats(_Rates):
             return tuple(sum(getattr(p, name)[j] for p in parts if j < len(getattr(p, name))) for j in range(width))
 
         counts = ("prompt_tokens", "new_tokens", "target_steps", "drafted", "accepted", "cached_tokens")
+        passes = [(p.experts_per_layer, p.target_steps - 1) for p in parts if p.experts_per_layer is not None]
+        experts = sum(e * n for e, n in passes) / sum(n for _, n in passes) if passes else None
         return cls(**{f: sum(getattr(p, f) for p in parts) for f in counts},
                    accepted_per_position=positions("accepted_per_position"),
-                   drafted_per_position=positions("drafted_per_position"))
+                   drafted_per_position=positions("drafted_per_position"), experts_per_layer=experts)
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -80,6 +85,7 @@ class CallMetrics(_Rates):
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens the target's prefills ran (each shared prefix once)
     cached_tokens: int = 0  # the requests' cached_tokens: prompt tokens a shared prefix spared
+    experts_per_layer: float | None = None  # RequestStats', the mean over the call's verify passes
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,6 +144,7 @@ def _request_stats(request: Request, out: dict, row: int, cached_tokens: int) ->
         accepted_per_position=per_position,
         drafted_per_position=drafted,
         cached_tokens=cached_tokens,
+        experts_per_layer=float(out["experts_read"][row]) / rounds if "experts_read" in out and rounds else None,
     )
 
 

@@ -3,8 +3,8 @@
 
 - layer: one layer's bytes: attention (q/k/v/o), router, one expert (gate, up, down);
 - step: the plain decode step through the engine's loop at each batch (ms, by the difference of
-  two budgets, so the prefill cancels), the unique experts its tokens chose per layer (the router's
-  choices, read back by a host callback in a separate, untimed pass), and the fraction of the
+  two budgets, so the prefill cancels), the unique experts its tokens chose per layer (forward's
+  routing, in a separate, untimed pass), and the fraction of the
   floor of the bytes it must read (embedding rows aside: every layer's attention and router, the
   union of chosen experts, the LM head) at the device's copy bandwidth;
 - verify: one forward pass over K + 1 tokens per row (a chain's verify pass) against one token,
@@ -62,29 +62,16 @@ def layer_bytes(model) -> dict:
 
 
 def unique_experts(model, tokens: np.ndarray, cache_len: int) -> float:
-    """Mean over layers of the distinct experts that `tokens` [b, t] choose (after a prefix of
-    cache_len random tokens), read by a host callback from the router's top-k."""
-    seen = []
-    real = fwd.moe_mlp
-
-    def recording(c, w, x, axis, det, norm, residual):
-        h = fwd.rms_norm(x, norm.weight, norm.eps, det)
-        probs = jnp.einsum("btd,de->bte", h, w.router, preferred_element_type=jnp.float32)
-        chosen = jax.lax.top_k(probs, c.experts_per_token)[1]
-        jax.debug.callback(lambda e: seen.append(len(np.unique(np.asarray(e)))), chosen[:, -tokens.shape[1]:])
-        return real(c, w, x, axis, det, norm, residual)
-
-    fwd.moe_mlp = recording
-    try:
-        b = tokens.shape[0]
-        prefix = np.random.default_rng(1).integers(1, model.config.vocab_size, (b, cache_len))
-        cache = KVCache.create(model.config, b, cache_len + tokens.shape[1], model.dtype,
-                               stacked=not isinstance(model.weights.layers, tuple))
-        jax.block_until_ready(fwd.forward(model.weights, model.config, jnp.asarray(np.concatenate([prefix, tokens], 1),
-                                                                                   jnp.int32), cache))
-    finally:
-        fwd.moe_mlp = real
-    return float(np.mean(seen))
+    """Mean over layers of the distinct experts that `tokens` [b, t] choose after a prefix of
+    cache_len random tokens (forward's routing)."""
+    b = tokens.shape[0]
+    prefix = np.random.default_rng(1).integers(1, model.config.vocab_size, (b, cache_len))
+    cache = KVCache.create(model.config, b, cache_len + tokens.shape[1], model.dtype,
+                           stacked=not isinstance(model.weights.layers, tuple))
+    *_, routing = fwd.forward(model.weights, model.config, jnp.asarray(np.concatenate([prefix, tokens], 1), jnp.int32),
+                              cache, routing=True)
+    chosen = np.asarray(routing)[:, :, -tokens.shape[1]:]  # [L, b, t, k]
+    return float(np.mean([len(np.unique(layer)) for layer in chosen]))
 
 
 def main() -> int:
