@@ -400,14 +400,23 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
     return _summed_projection("btf,fd->btd", act, w.w_down, w.b_down, pad_one_row, axis, deterministic, residual)
 
 
+# When a mixture-of-experts layer gathers each (token, expert) pair's weights instead of running
+# ragged_dot, which costs about 0.55 ms a layer even for one token (H100, JAX 0.11.2, bf16,
+# docs/moe.md): the gather copies every pair's weights, so it wins while those copies are small.
+# Verify passes of 2, 4, 6 tokens: Qwen3-30B-A3B (9.4 MB experts, top-8) 2.29 / 3.24 / 3.98 ms
+# gathered against 4.62 / 4.71 / 4.84 with ragged_dot over 8 layers; Mixtral-8x7B (352 MB experts,
+# top-2) 12.67 ms gathered against 8.65 at 2 tokens, while one token (704 MB) gathered won (839
+# against 1096 us a layer).
+GATHER_MAX_PAIRS = 48
+GATHER_MAX_BYTES = 512 * 2**20
+
+
 def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm, residual):
     """A mixture-of-experts MLP (Qwen3-MoE's and Mixtral's): the softmax router's top
     experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU. One
-    token: the chosen experts' weights gathered and applied (on an H100, one layer of
-    Qwen3-30B-A3B took 231 us against ragged_dot's 574, Mixtral-8x7B's 839 against 1096; from 4
-    tokens on the gather, which copies each pair's weights, lost: docs/moe.md). More: the
-    (token, expert) pairs sorted by expert and run as grouped matmuls (jax.lax.ragged_dot), their
-    outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
+    token, or few (token, expert) pairs whose weights are small (GATHER_MAX_*): each pair's
+    expert weights gathered and applied. More: the pairs sorted by expert and run as grouped
+    matmuls (jax.lax.ragged_dot), their outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
     are split: the down products are summed over `axis`. x [b, t, d] -> (x + the MLP's output,
     the experts each token chose [b, t, k])."""
     b, t, d = x.shape
@@ -417,7 +426,8 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    if b * t == 1:  # one token (a decode step at batch 1): its experts' weights gathered, only theirs read
+    pairs = b * t * k
+    if b * t == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * w.experts_down[0].nbytes * 3 <= GATHER_MAX_BYTES):
         gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[experts],
                              preferred_element_type=jnp.float32).astype(x.dtype)
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
