@@ -11,10 +11,11 @@ model's weights; None for drafters without any):
 
 propose fills every node of `drafter.tree` (tokens [b, t], tokens[:, 0] = the last committed
 token) and says what each proposed node was drawn from: q [b, t-1, v], the distribution of
-node i at q[:, i-1], or None for point masses (deterministic proposals, as n-gram lookup's). Where a row has a
-structured-output constraint (round.constraint), a drafter that draws from a distribution draws
-from the constrained one (RowConstraints.masked, with the state its node's path reaches), so q
-is what it sampled from; point masses need nothing (a forbidden one is rejected).
+node i at q[:, i-1], or None for point masses (deterministic proposals, as n-gram lookup's).
+Where a row has a structured-output constraint (round.constraint), a drafter that draws from a
+distribution draws from the constrained one (RowConstraints.masked, with the state its node's
+path reaches), so q is what it sampled from; point masses need nothing (a forbidden one is
+rejected).
 The target verifies the tree, the loop commits the accepted path (path [b, D+1], node at each
 depth) and its tokens (emitted [b, D+1], the first kept[b] of them appended), and commit lets
 the drafter follow. Losslessness does not depend on the drafter: the acceptance rule is exact
