@@ -2,6 +2,8 @@
 and converted checkpoints (logits against transformers: tests/test_hf_numerics.py runs both
 families), and every drafter stays lossless on them: greedy output equals plain decoding's."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -82,8 +84,55 @@ def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
         jaxspec.load(folder, quantize="int8")
     with pytest.raises(jaxspec.InputError, match="deterministic mode does not cover mixtures of experts"):
         jaxspec.generate([PROMPTS[0]], target, deterministic=True, max_new_tokens=4)
+    kind, overrides = TINY[target.config.model_type]
+    key = "num_local_experts" if kind == "mixtral" else "num_experts"
+    too_many = save_tiny(tmp_path / "topk", kind, {**overrides, key: 2, "num_experts_per_tok": 3})
+    with pytest.raises(jaxspec.ConfigError, match=r"num_experts_per_tok must be in \[1, 2\] \(the experts\); got 3"):
+        jaxspec.load(too_many)
+    gone = tmp_path / "gone"
+    shutil.copytree(folder, gone)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(gone / "model.safetensors").items() if ".experts.3." not in k}
+    save_file(tensors, gone / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(jaxspec.CheckpointError, match=r"missing tensor\(s\) in .*experts\.3\."):
+        jaxspec.load(gone)
     if target.config.model_type == "qwen3_moe":
         kind, overrides = TINY["qwen3_moe"]
         mixed = save_tiny(tmp_path / "mixed", kind, {**overrides, "mlp_only_layers": [1]})
         with pytest.raises(jaxspec.ConfigError, match=r"mlp_only_layers=\[1\]\) is not supported yet"):
             jaxspec.load(mixed)
+
+
+def test_sampling_on_an_moe_target_is_exact(tmp_path):
+    """The exact distribution test (tests/test_speculative_distribution.py) with a tiny Qwen3-MoE
+    target on a 16-token vocabulary, its tokens routed to 2 of 4 experts, drafted by a dense
+    model: the joint of tokens 2 and 3 is the target's own sampling distribution."""
+    import test_speculative_distribution as exact
+
+    base = dict(vocab_size=16, eos_token_id=None, bos_token_id=None, pad_token_id=0, initializer_range=0.5)
+    kind, overrides = TINY["qwen3_moe"]
+    target = jaxspec.load(save_tiny(tmp_path / "t", kind, {**overrides, **base}, seed=3), dtype="float32")
+    draft = jaxspec.load(save_tiny(tmp_path / "d", "llama", {**base, "num_hidden_layers": 1}, seed=4), dtype="float32")
+    setting = exact.SETTINGS[0]
+    assert exact.chi2_pvalue(exact.sampled_joint(target, draft, setting), exact.exact_joint(target, setting)) > 1e-4
+
+
+def test_a_batch_job_and_its_canary_run_an_moe_target(moe, tmp_path):
+    """`jaxspec batch --auto` over token-id prompts: the canary times its candidates on the MoE
+    target and the job writes every record, as plain decoding would."""
+    import json
+
+    from jaxspec import cli
+    from jaxspec.batch import read_output
+
+    target, _, folder = moe
+    draft_folder = save_tiny(tmp_path / "d", "llama", {"num_hidden_layers": 1}, seed=2)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS * 4)))
+    assert cli.main(["batch", str(src), str(out), "--target", str(folder), "--draft", str(draft_folder), "--auto",
+                     "--max-new-tokens", "12", "--batch-size", "4", "--no-plot", "--no-progress"]) == 0
+    got = {r["id"]: r["token_ids"] for r in read_output(out)}
+    plain = jaxspec.generate(PROMPTS, target, max_new_tokens=12)
+    assert got == {str(i): plain[i % 3].token_ids for i in range(12)}
+    assert json.loads(out.with_suffix(".summary.json").read_text())["canary"]["candidates"]

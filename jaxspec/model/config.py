@@ -167,6 +167,14 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a Mixture-of-Experts config (none for a dense family)."""
+    out = _moe_counts(model_type, cfg)
+    if out and not 1 <= out["experts_per_token"] <= out["num_experts"]:
+        raise ConfigError(f"num_experts_per_tok must be in [1, {out['num_experts']}] (the experts); "
+                          f"got {out['experts_per_token']}")
+    return out
+
+
+def _moe_counts(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type == "mixtral":  # softmax over the chosen logits = the top-k of the softmax, renormalized
         return dict(num_experts=int(cfg["num_local_experts"]), experts_per_token=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
