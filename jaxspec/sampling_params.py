@@ -253,8 +253,6 @@ def add_cli_args(parser) -> None:
         parser.add_argument(*flags, dest=f"sampling_{f.name}", default=None, metavar=f.name.upper(),
                             help=f"{f.metadata['help']}" + (f" (default {default})" if default not in ((), None) else ""),
                             **f.metadata["cli"])
-
-
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", dest="sampling_json_schema", metavar="FILE",
                             help="constrain every output to JSON matching the schema in FILE (structured_outputs.json)")

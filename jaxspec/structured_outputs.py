@@ -155,12 +155,9 @@ class ConstraintTable:
     done: np.ndarray  # [S] bool
     compile_s: float = 0.0
 
-    @property
-    def nbytes(self) -> int:
-        return self.classes.nbytes + self.next.nbytes + self.done.nbytes
 
-
-def compile_constraint(params: StructuredOutputsParams, vocab: tuple[bytes, ...], eos_ids: tuple[int, ...]) -> ConstraintTable:
+def compile_constraint(params: StructuredOutputsParams, vocab: tuple[bytes, ...],
+                       eos_ids: tuple[int, ...]) -> ConstraintTable:
     """params' automaton over `vocab` (each token's bytes; b"" for special tokens). Raises
     InputError with outlines-core's message where the constraint cannot be compiled."""
     return _compiled(params.pattern(), vocab, tuple(eos_ids))

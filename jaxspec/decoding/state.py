@@ -139,12 +139,12 @@ def commit_tokens(state, new: jnp.ndarray, count: jnp.ndarray, batch: Batch, eos
     n = state.num_generated + kept
     finish = jnp.where(running & has_stop & (first < kept), FINISH_STOP, state.finish)
     finish = jnp.where((finish == RUNNING) & (n >= batch.max_new_tokens), FINISH_LENGTH, finish)
-    stop_state = jnp.where(kept > 0, jnp.take_along_axis(stop_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
-                           state.stop_state)
+    # an automaton's state after the last kept token (states after each token [b, m]; none kept: as it was)
+    after_kept = lambda states, old: jnp.where(  # noqa: E731
+        kept > 0, jnp.take_along_axis(states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0], old)
+    stop_state = after_kept(stop_states, state.stop_state)
     if tables.on:
-        written["constraint_state"] = jnp.where(
-            kept > 0, jnp.take_along_axis(constraint_states, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0],
-            state.constraint_state)
+        written["constraint_state"] = after_kept(constraint_states, state.constraint_state)
     if state.token_counts.shape[1]:  # a row has a penalty: the loop counts each row's output tokens
         written["token_counts"] = count_tokens(state.token_counts, new, kept)
     return state.replace(out_tokens=out, num_generated=n, finish=finish, stop_state=stop_state, **written), kept

@@ -23,7 +23,6 @@ SUPPORTED_FAMILIES = {
     "qwen3_moe": "Qwen3-MoE (every layer sparse)",
     "mixtral": "Mixtral",
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -59,7 +58,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    # Mixture of experts (MOE_FAMILIES; 0 experts: a dense MLP): every layer's MLP is num_experts
+    # Mixture of experts (qwen3_moe, mixtral; 0 experts: a dense MLP): every layer's MLP is num_experts
     # SwiGLU experts of width moe_intermediate_size, experts_per_token of them per token, picked by
     # a softmax router (top-k of the softmax, renormalized when norm_topk_prob)
     num_experts: int = 0
@@ -74,6 +73,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP width tensor parallelism splits: an expert's in a mixture of experts."""
+        return self.moe_intermediate_size if self.is_moe else self.intermediate_size
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

@@ -416,9 +416,9 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU. One
     token, or few (token, expert) pairs whose weights are small (GATHER_MAX_*): each pair's
     expert weights gathered and applied. More: the pairs sorted by expert and run as grouped
-    matmuls (jax.lax.ragged_dot), their outputs weighted and summed back per token. Under tensor parallelism the experts' ffn columns
-    are split: the down products are summed over `axis`. x [b, t, d] -> (x + the MLP's output,
-    the experts each token chose [b, t, k])."""
+    matmuls (jax.lax.ragged_dot), their outputs weighted and summed back per token. Under tensor
+    parallelism the experts' ffn columns are split: the down products are summed over `axis`.
+    x [b, t, d] -> (x + the MLP's output, the experts each token chose [b, t, k])."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
     h = rms_norm(x, norm.weight, norm.eps, deterministic)
@@ -427,7 +427,8 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     pairs = b * t * k
-    if b * t == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * w.experts_down[0].nbytes * 3 <= GATHER_MAX_BYTES):
+    expert_bytes = w.experts_gate_up[0].nbytes + w.experts_down[0].nbytes
+    if b * t == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * expert_bytes <= GATHER_MAX_BYTES):
         gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[experts],
                              preferred_element_type=jnp.float32).astype(x.dtype)
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]

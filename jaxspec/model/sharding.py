@@ -62,14 +62,13 @@ def check_tensor_parallel(config: ModelConfig, tp, name: str = "model") -> int:
             f"tensor_parallel {tp} needs {tp} devices; {devices} are visible ({jax.devices()[0].platform}). "
             "On the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N."
         )
-    n, g = config.num_kv_heads, config.queries_per_kv
-    f = config.moe_intermediate_size if config.is_moe else config.intermediate_size
+    n, g, f = config.num_kv_heads, config.queries_per_kv, config.ffn_size
     if not check_split(config, tp):
         allowed = [d for d in range(1, devices + 1) if check_split(config, d)]
         raise InputError(
             f"tensor_parallel {tp} cannot split {name}: num_heads {config.num_heads}, num_kv_heads {n}, "
-            f"{'moe_' if config.is_moe else ''}intermediate_size {f}. Each device needs whole kv heads (or, past {n} devices, an equal share "
-            f"of each kv head's {g} queries) and an equal ffn slice. Allowed on these {devices} devices: {allowed}"
+            f"{'moe_' if config.is_moe else ''}intermediate_size {f}. Each device needs whole kv heads (or, past "
+            f"{n} devices, an equal share of each kv head's {g} queries) and an equal ffn slice. Allowed on these {devices} devices: {allowed}"
         )
     return tp
 
@@ -77,8 +76,7 @@ def check_tensor_parallel(config: ModelConfig, tp, name: str = "model") -> int:
 def check_split(config: ModelConfig, tp: int) -> bool:
     n, g = config.num_kv_heads, config.queries_per_kv
     heads = (n % tp == 0) if tp <= n else (tp % n == 0 and g % (tp // n) == 0)
-    ffn = config.moe_intermediate_size if config.is_moe else config.intermediate_size  # experts: split inside
-    return heads and ffn % tp == 0
+    return heads and config.ffn_size % tp == 0
 
 
 def make_mesh(tp: int) -> Mesh:
