@@ -51,9 +51,14 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / s
 
 
+def first_layer(model):
+    """Layer 0's weights, from the unrolled tuple or the stacked layers (weights.Weights)."""
+    layers = model.weights.layers
+    return layers[0] if isinstance(layers, tuple) else jax.tree.map(lambda a: a[0], layers)
+
+
 def layer_bytes(model) -> dict:
-    w = jax.tree.map(lambda a: a[0] if a.ndim and not isinstance(model.weights.layers, tuple) else a,
-                     model.weights.layers if not isinstance(model.weights.layers, tuple) else model.weights.layers[0])
+    w = first_layer(model)
     item = jnp.dtype(model.dtype).itemsize
     c = model.config
     one_expert = 3 * c.hidden_size * c.moe_intermediate_size * item
@@ -129,8 +134,7 @@ def main() -> int:
              unique_experts_per_layer=round(experts, 1), floor_ms=round(1000 * floor_s(experts), 4))
 
     # one layer's experts, gather path against ragged_dot, at T tokens (T * k pairs)
-    layer = jax.tree.map(lambda a: a[0], model.weights.layers) if not isinstance(model.weights.layers, tuple) \
-        else model.weights.layers[0]
+    layer = first_layer(model)
     e, k, d, f = c.num_experts, c.experts_per_token, c.hidden_size, c.moe_intermediate_size
 
     @jax.jit
