@@ -54,17 +54,17 @@ def test_every_drafter_gives_plain_greedy_output(moe, tmp_path):
     assert jaxspec.generate(PROMPTS[:1], target, max_new_tokens=4)[0].stats.experts_per_layer is None
 
 
-@pytest.mark.parametrize("path", ["gather", "ragged_dot"])
-def test_both_expert_paths_match_transformers(moe, path):
-    """Each (token, expert) pair's weights gathered, or the pairs grouped by expert
-    (jax.lax.ragged_dot), forced for every call: teacher-forced logits of 3 x 20 tokens within
-    transformers' float32 rounding."""
+@pytest.mark.parametrize("path", forward.EXPERT_PATHS)
+def test_every_expert_path_matches_transformers(moe, path):
+    """The grouped expert kernel (interpret mode), each (token, expert) pair's weights gathered,
+    or the pairs grouped by expert (jax.lax.ragged_dot), forced for every call: teacher-forced
+    logits of 3 x 20 tokens within transformers' float32 rounding."""
     target, _, _ = moe
     kind, overrides = TINY[target.config.model_type]
     hf = build_tiny_hf(kind, overrides, seed=1)
     tokens = np.random.default_rng(3).integers(0, target.config.vocab_size, (3, 20))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(forward, "GATHER_MAX_PAIRS", 10**9 if path == "gather" else 0)
+        mp.setattr(forward, "FORCED_EXPERT_PATH", path)
         jax.clear_caches()
         got = engine_logits(target, tokens)
     jax.clear_caches()
@@ -82,8 +82,6 @@ def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
     target, _, folder = moe
     with pytest.raises(jaxspec.InputError, match="no 8-bit path yet"):
         jaxspec.load(folder, quantize="int8")
-    with pytest.raises(jaxspec.InputError, match="deterministic mode does not cover mixtures of experts"):
-        jaxspec.generate([PROMPTS[0]], target, deterministic=True, max_new_tokens=4)
     kind, overrides = TINY[target.config.model_type]
     key = "num_local_experts" if kind == "mixtral" else "num_experts"
     too_many = save_tiny(tmp_path / "topk", kind, {**overrides, key: 2, "num_experts_per_tok": 3})
@@ -136,3 +134,26 @@ def test_a_batch_job_and_its_canary_run_an_moe_target(moe, tmp_path):
     plain = jaxspec.generate(PROMPTS, target, max_new_tokens=12)
     assert got == {str(i): plain[i % 3].token_ids for i in range(12)}
     assert json.loads(out.with_suffix(".summary.json").read_text())["canary"]["candidates"]
+
+
+def test_deterministic_moe_gives_a_row_the_same_bits_alone_batched_and_speculative(tmp_path):
+    """bfloat16, deterministic mode (router through the matmul kernel, experts through the grouped
+    expert kernel): a row's logits are the same alone, beside other rows and in a verify pass, and
+    greedy tokens alone = batched = speculative (n-gram lookup) = under the continuous scheduler."""
+    from test_deterministic import _logits_after
+
+    kind, overrides = TINY["qwen3_moe"]
+    target = jaxspec.load(save_tiny(tmp_path / "t", kind, {**overrides, "initializer_range": 0.02}, seed=3),
+                          dtype="bfloat16")
+    rng = np.random.default_rng(4)
+    prefix, tokens = rng.integers(3, 384, (4, 13)), rng.integers(3, 384, (4, 4))
+    alone = _logits_after(target, prefix[:1], tokens[:1, :1], "deterministic")
+    np.testing.assert_array_equal(_logits_after(target, prefix, tokens[:, :1], "deterministic")[:1], alone)
+    np.testing.assert_array_equal(_logits_after(target, prefix[:1], tokens[:1], "deterministic")[:, :1], alone)
+    prompts = [[5, 9, 14, 9, 14, 9, 30], [7, 7, 8, 100, 7, 7, 8], [40, 41, 42], [11, 12, 11, 12, 11]]
+    det = dict(max_new_tokens=16, deterministic=True, warn_below_acceptance=0.0)
+    plain = [o.token_ids for o in jaxspec.generate(prompts, target, **det, max_batch_size=4)]
+    assert [o.token_ids for o in jaxspec.generate(prompts[:1], target, **det)] == plain[:1]
+    ngram = jaxspec.generate(prompts, target, "ngram", num_draft_tokens=3, **det, max_batch_size=4)
+    assert [o.token_ids for o in ngram] == plain and ngram.metrics.accepted > 0
+    assert [o.token_ids for o in jaxspec.generate(prompts, target, **det, max_batch_size=2)] == plain

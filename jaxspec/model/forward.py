@@ -27,6 +27,7 @@ from jaxspec.model.sharding import TP, local_config
 from jaxspec.model.weights import LayerWeights, Weights, weight_specs
 from pallas_kernels import rms_norm as rms_norm_kernel
 from pallas_kernels.causal_attention import causal_attention
+from pallas_kernels.experts import experts_mlp
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matvec import matvec
 from pallas_kernels.tree_attention import BLOCK_K, tree_attention
@@ -400,52 +401,98 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
     return _summed_projection("btf,fd->btd", act, w.w_down, w.b_down, pad_one_row, axis, deterministic, residual)
 
 
-# When a mixture-of-experts layer gathers each (token, expert) pair's weights instead of running
-# ragged_dot, which costs about 0.55 ms a layer even for one token (H100, JAX 0.11.2, bf16,
-# docs/moe.md): the gather copies every pair's weights, so it wins while those copies are small.
+# Which path a mixture-of-experts layer's experts take (expert_path). The grouped expert kernel
+# (pallas_kernels/experts.py) reads each chosen expert once, in place: on accelerators up to
+# KERNEL_MAX_TOKENS tokens, and always in deterministic mode (its sums have one order per token).
+# Past that (prefills) and on the CPU (no Pallas outside interpret mode) XLA's paths: each
+# (token, expert) pair's weights gathered while those copies are small, else jax.lax.ragged_dot,
+# which costs about 0.55 ms a layer even for one token (H100, JAX 0.11.2, bf16, docs/moe.md).
 # Verify passes of 2, 4, 6 tokens: Qwen3-30B-A3B (9.4 MB experts, top-8) 2.29 / 3.24 / 3.98 ms
 # gathered against 4.62 / 4.71 / 4.84 with ragged_dot over 8 layers; Mixtral-8x7B (352 MB experts,
 # top-2) 12.67 ms gathered against 8.65 at 2 tokens, while one token (704 MB) gathered won (839
 # against 1096 us a layer).
+EXPERT_PATHS = ("kernel", "gather", "ragged_dot")
+KERNEL_MAX_TOKENS = 64
 GATHER_MAX_PAIRS = 48
 GATHER_MAX_BYTES = 512 * 2**20
+# One path for every call, to measure it end to end (scripts/gpu_probes/moe_costs.py): read when
+# jaxspec is imported.
+EXPERT_PATH_ENV = "JAXSPEC_EXPERT_PATH"
+
+
+def _forced_expert_path(value: str) -> str | None:
+    if value and value not in EXPERT_PATHS:
+        raise InputError(f"{EXPERT_PATH_ENV} must be one of {', '.join(EXPERT_PATHS)} (or unset); got {value!r}")
+    return value or None
+
+
+FORCED_EXPERT_PATH = _forced_expert_path(os.environ.get(EXPERT_PATH_ENV, ""))
+
+
+def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> str:
+    """The path of one call's experts (see EXPERT_PATHS): tokens, the (token, expert) pairs they
+    make, one expert's bytes."""
+    if deterministic:
+        return "kernel"
+    if FORCED_EXPERT_PATH:
+        return FORCED_EXPERT_PATH
+    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS:
+        return "kernel"
+    if tokens == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * expert_bytes <= GATHER_MAX_BYTES):
+        return "gather"
+    return "ragged_dot"
+
+
+def _router_logits(h, router, deterministic):
+    """[b, t, E] float32. Deterministic: through the matmul kernel (its sums one order per row),
+    the experts padded to its 16-column tiles."""
+    if not (deterministic and deterministic.projections):
+        return jnp.einsum("btd,de->bte", h, router, preferred_element_type=jnp.float32)
+    e = router.shape[1]
+    padded = jnp.pad(router, ((0, 0), (0, -e % 16)))
+    return _kernel_project("btd,de->bte", h, padded, jnp.float32, deterministic.split_k)[..., :e]
 
 
 def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm, residual):
     """A mixture-of-experts MLP (Qwen3-MoE's and Mixtral's): the softmax router's top
-    experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU. One
-    token, or few (token, expert) pairs whose weights are small (GATHER_MAX_*): each pair's
-    expert weights gathered and applied. More: the pairs sorted by expert and run as grouped
-    matmuls (jax.lax.ragged_dot), their outputs weighted and summed back per token. Under tensor
-    parallelism the experts' ffn columns are split: the down products are summed over `axis`.
+    experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU, their
+    outputs weighted and summed per token, by the path expert_path picks: the grouped expert
+    kernel; each pair's expert weights gathered and applied; or the pairs sorted by expert and
+    run as grouped matmuls (jax.lax.ragged_dot). Under tensor parallelism the experts' ffn
+    columns are split: the down products are summed over `axis`.
     x [b, t, d] -> (x + the MLP's output, the experts each token chose [b, t, k])."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
     h = rms_norm(x, norm.weight, norm.eps, deterministic)
-    probs = jax.nn.softmax(jnp.einsum("btd,de->bte", h, w.router, preferred_element_type=jnp.float32), axis=-1)
+    probs = jax.nn.softmax(_router_logits(h, w.router, deterministic), axis=-1)
     weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     pairs = b * t * k
     expert_bytes = w.experts_gate_up[0].nbytes + w.experts_down[0].nbytes
-    if b * t == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * expert_bytes <= GATHER_MAX_BYTES):
+    path = expert_path(b * t, pairs, expert_bytes, deterministic)
+    if path == "kernel":
+        y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k), w.experts_gate_up,
+                        w.experts_down, interpret=_interpret())
+        y = y.astype(x.dtype).reshape(b, t, d)
+    elif path == "gather":
         gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[experts],
                              preferred_element_type=jnp.float32).astype(x.dtype)
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         out = jnp.einsum("btkf,btkfd->btkd", act, w.experts_down[experts], preferred_element_type=jnp.float32)
         y = jnp.sum(out * weights[..., None], axis=2).astype(x.dtype)
-        return residual + _total(axis, deterministic)(y), experts
-    order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
-    token = order // k
-    sizes = jnp.bincount(experts.reshape(-1), length=e)
-    xs = h.reshape(b * t, d)[token]
-    f = w.experts_down.shape[1]
-    gate_up = jax.lax.ragged_dot(xs, w.experts_gate_up.reshape(e, d, 2 * f), sizes,
-                                 preferred_element_type=jnp.float32).astype(x.dtype)
-    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
-    out = jax.lax.ragged_dot(act, w.experts_down, sizes, preferred_element_type=jnp.float32)
-    out = out * weights.reshape(-1)[order][:, None]
-    y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
+    else:
+        order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
+        token = order // k
+        sizes = jnp.bincount(experts.reshape(-1), length=e)
+        xs = h.reshape(b * t, d)[token]
+        f = w.experts_down.shape[1]
+        gate_up = jax.lax.ragged_dot(xs, w.experts_gate_up.reshape(e, d, 2 * f), sizes,
+                                     preferred_element_type=jnp.float32).astype(x.dtype)
+        act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+        out = jax.lax.ragged_dot(act, w.experts_down, sizes, preferred_element_type=jnp.float32)
+        out = out * weights.reshape(-1)[order][:, None]
+        y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
     return residual + _total(axis, deterministic)(y), experts
 
 

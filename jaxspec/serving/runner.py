@@ -47,9 +47,6 @@ def run(
     if attention == "deterministic" and method.parents != chain(method.k):
         raise InputError(f"deterministic mode verifies chains only; {method.name} drafts a tree, whose nodes are "
                          "not at their final positions (use a chain: num_draft_tokens without tree, ngram_branches=1)")
-    if attention == "deterministic" and target.config.is_moe:
-        raise InputError(f"deterministic mode does not cover mixtures of experts yet: {target.name}'s grouped expert "
-                         "matmuls are not row-invariant; run it without deterministic")
     graphs = target.graphs if graphs is None else graphs
     if isinstance(draft, (Model, EagleHead)):
         draft = replicated_on(draft, target.mesh)  # a draft loaded whole runs on every device of the target's

@@ -1,0 +1,153 @@
+"""Grouped expert matmul for mixture-of-experts layers (Pallas, Triton lowering: runs on ROCm and
+CUDA): each block of BLOCK_M rows belongs to one expert, and reads only that expert's weights, in
+place. A decode step of Qwen3-30B-A3B (8 of 128 experts a layer) reads its 8 experts once; XLA's
+paths either copy the chosen experts out first (a gather) or pay ragged_dot's fixed cost (about
+0.55 ms a layer on an H100 even for one token; docs/moe.md).
+
+Layout (group_pairs builds it from the router's choices):
+  x             [S, k]        rows in blocks of BLOCK_M, block i all for expert block_expert[i]
+                              (unused rows: zeros)
+  w             [E, k, n]     each expert's weights (k leading: the engine's layout), or, gated,
+                [E, k, 2, n]  gate and up side by side
+  block_expert  [S / BLOCK_M] int32 each block's expert, -1 for blocks past the last used one
+  -> out        [S, n]        out_dtype (gated: silu(gate) * up, as pallas_kernels/fused.py rounds it)
+
+Grid (blocks, n / block_n): program (i, j) loads expert block_expert[i]'s [block_k, block_n] tiles
+(gate's and up's, gated) down k in a fixed order, one float32 accumulator; blocks with no expert
+return at once. block_k and block_n depend on (k, n) only and every dot is [BLOCK_M, block_k] x
+[block_k, block_n], so a row's sums have one order whatever the other rows are: the same token
+gives the same bits alone, in a batch or in a verify pass (deterministic mode; issue 25).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.fused import finish
+from pallas_kernels.matmul import BLOCK_M, _dot, _largest_pow2_divisor
+
+DEFAULT_BLOCK_K = 128
+DEFAULT_BLOCK_N = 64
+
+
+def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
+    """The grouped layout of (token, expert) pairs. experts [P] int32, each pair's expert; those
+    outside [0, num_experts) (another device's, under expert parallelism) are left out.
+    -> (slot [P]: each pair's row in the layout, past the last row for pairs left out;
+        block_expert [blocks] int32: each block's expert, -1 past the last).
+    Each expert's pairs fill whole blocks of block_m rows from a block of their own, so blocks =
+    P // block_m + min(num_experts, P) always suffices: a static shape for any routing."""
+    p = experts.shape[0]
+    kept = (experts >= 0) & (experts < num_experts)
+    bins = jnp.where(kept, experts, num_experts)  # one bin past the experts for the pairs left out
+    sizes = jnp.bincount(bins, length=num_experts + 1)
+    blocks = (sizes[:num_experts] + block_m - 1) // block_m
+    first_block = jnp.cumsum(blocks) - blocks
+    order = jnp.argsort(bins, stable=True)
+    sorted_bins = bins[order]
+    rank = jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[sorted_bins]  # place among its expert's pairs
+    first = jnp.append(first_block, 0)[sorted_bins]
+    slot = jnp.zeros((p,), jnp.int32).at[order].set((first * block_m + rank).astype(jnp.int32))
+    n_blocks = p // block_m + min(num_experts, p)
+    slot = jnp.where(kept, slot, n_blocks * block_m)
+    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right")
+    block_expert = jnp.where(block_expert < num_experts, block_expert, -1).astype(jnp.int32)
+    return slot, block_expert
+
+
+def _kernel(block_expert_ref, x_ref, w_ref, o_ref, *, block_k: int, gated: bool):
+    e = block_expert_ref[pl.program_id(0)]
+    bn = o_ref.shape[1]
+    col = pl.program_id(1) * bn  # (outside pl.when: interpret mode has no program ids inside a cond)
+
+    @pl.when(e >= 0)
+    def _():
+        k = x_ref.shape[1]
+
+        def tile(at, half):
+            if gated:
+                return w_ref[e, pl.ds(at, block_k), half, pl.ds(col, bn)]
+            return w_ref[e, pl.ds(at, block_k), pl.ds(col, bn)]
+
+        def step(i, accs):
+            at = pl.multiple_of(i * block_k, block_k)
+            x = x_ref[:, pl.ds(at, block_k)]
+            return tuple(acc + _dot(x, tile(at, h)) for h, acc in enumerate(accs))
+
+        zeros = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
+        accs = lax.fori_loop(0, k // block_k, step, (zeros,) * (2 if gated else 1))
+        o_ref[...] = finish(accs[0], o_ref.dtype, up=accs[1] if gated else None)
+
+
+@functools.partial(jax.jit, static_argnames=("gated", "out_dtype", "block_k", "block_n", "num_warps", "num_stages",
+                                             "interpret"))
+def expert_matmul(x, w, block_expert, *, gated: bool = False, out_dtype=None, block_k: int | None = None,
+                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+    """x [S, k] @ w[block's expert] -> [S, n] in out_dtype (default x's); see the module docstring.
+    block_k, block_n: the tiles (None: the largest powers of two up to DEFAULT_BLOCK_K and
+    DEFAULT_BLOCK_N that divide k and n); they fix the order of every sum, so they follow the
+    weights' shape, never the rows."""
+    s, k = x.shape
+    if w.ndim != (4 if gated else 3) or w.shape[1] != k or (gated and w.shape[2] != 2):
+        want = f"[E, k={k}, 2, n]" if gated else f"[E, k={k}, n]"
+        raise ValueError(f"expert_matmul w must be {want}; got {list(w.shape)}")
+    if s % BLOCK_M or block_expert.shape != (s // BLOCK_M,):
+        raise ValueError(f"expert_matmul x must hold whole blocks of {BLOCK_M} rows, one block_expert each; got "
+                         f"x {list(x.shape)}, block_expert {list(block_expert.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"expert_matmul w must be x's dtype {x.dtype}; got {w.dtype}")
+    n = w.shape[-1]
+    block_k = _largest_pow2_divisor(k, block_k or DEFAULT_BLOCK_K, "k")
+    block_n = _largest_pow2_divisor(n, block_n or DEFAULT_BLOCK_N, "n")
+    whole = pl.BlockSpec(w.shape, lambda i, j: (0,) * w.ndim)  # indexed by each block's expert inside
+    return pl.pallas_call(
+        functools.partial(_kernel, block_k=block_k, gated=gated),
+        grid=(s // BLOCK_M, n // block_n),
+        in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j: (0,)),
+                  pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0)),
+                  whole],
+        out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((s, n), out_dtype or x.dtype),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="expert_matmul_gated" if gated else "expert_matmul",
+    )(block_expert, x, w)
+
+
+def experts_mlp(h, experts, weights, gate_up, down, *, first_expert=0, interpret: bool = False, **tiles):
+    """The experts of a mixture-of-experts MLP through expert_matmul: h [m, d] normed tokens,
+    experts and weights [m, k] the router's choices (global expert ids) and their weights,
+    gate_up [E, d, 2, f] and down [E, f, d] the experts held here, whose first is first_expert
+    (pairs routed elsewhere add nothing). -> [m, d] float32: each token's weighted expert
+    outputs, summed over its k choices in order (so the sum too is the token's alone). tiles:
+    expert_matmul's block_n, num_warps, num_stages (to measure them)."""
+    m, k = experts.shape
+    e = gate_up.shape[0]
+    slot, block_expert = group_pairs((experts - first_expert).reshape(-1), e)
+    rows = block_expert.shape[0] * BLOCK_M
+    x = jnp.zeros((rows, h.shape[1]), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
+    act = expert_matmul(x, gate_up, block_expert, gated=True, interpret=interpret, **tiles)
+    out = expert_matmul(act, down, block_expert, out_dtype=jnp.float32, interpret=interpret, **tiles)
+    pairs = jnp.take(out, slot, axis=0, mode="fill", fill_value=0) * weights.reshape(-1, 1)
+    pairs = pairs.reshape(m, k, -1)
+    total = pairs[:, 0]
+    for j in range(1, k):  # in a fixed order
+        total = total + pairs[:, j]
+    return total
+
+
+
+def experts_mlp_reference(h, experts, weights, gate_up, down):
+    """Plain-JAX float32 reference, written independently of the kernel: each token's chosen
+    experts applied one by one from the full weights."""
+    h = h.astype(jnp.float32)
+    gu = jnp.einsum("md,mkdcf->mkcf", h, gate_up.astype(jnp.float32)[experts], precision=lax.Precision.HIGHEST)
+    act = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+    out = jnp.einsum("mkf,mkfd->mkd", act, down.astype(jnp.float32)[experts], precision=lax.Precision.HIGHEST)
+    return jnp.sum(out * weights[..., None], axis=1)
