@@ -415,14 +415,14 @@ EXPERT_PATHS = ("kernel", "gather", "ragged_dot")
 KERNEL_MAX_TOKENS = 64
 GATHER_MAX_PAIRS = 48
 GATHER_MAX_BYTES = 512 * 2**20
-# One path for every call, to measure it end to end (scripts/gpu_probes/moe_costs.py): read when
-# jaxspec is imported.
+# One path for every call, or "xla" (XLA's two by the rule below, no kernel), to measure them end
+# to end (scripts/gpu_probes/moe_costs.py): read when jaxspec is imported.
 EXPERT_PATH_ENV = "JAXSPEC_EXPERT_PATH"
 
 
 def _forced_expert_path(value: str) -> str | None:
-    if value and value not in EXPERT_PATHS:
-        raise InputError(f"{EXPERT_PATH_ENV} must be one of {', '.join(EXPERT_PATHS)} (or unset); got {value!r}")
+    if value and value not in EXPERT_PATHS + ("xla",):
+        raise InputError(f"{EXPERT_PATH_ENV} must be one of {', '.join(EXPERT_PATHS)}, xla (or unset); got {value!r}")
     return value or None
 
 
@@ -434,9 +434,9 @@ def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> st
     make, one expert's bytes."""
     if deterministic:
         return "kernel"
-    if FORCED_EXPERT_PATH:
+    if FORCED_EXPERT_PATH in EXPERT_PATHS:
         return FORCED_EXPERT_PATH
-    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS:
+    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS and FORCED_EXPERT_PATH != "xla":
         return "kernel"
     if tokens == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * expert_bytes <= GATHER_MAX_BYTES):
         return "gather"

@@ -9,8 +9,13 @@
   union of chosen experts, the LM head) at the device's copy bandwidth;
 - verify: one forward pass over K + 1 tokens per row (a chain's verify pass) against one token,
   with the unique experts of those tokens: what a verify round costs relative to a plain step;
-- expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights) and
-  the grouped path (jax.lax.ragged_dot over tokens sorted by expert), us per call.
+- expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
+  grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
+  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too), us
+  per call.
+
+The step and verify rows use the engine's own choice of expert path; JAXSPEC_EXPERT_PATH=gather
+(or ragged_dot, kernel) forces one, for a baseline in the same session.
 
     python3 scripts/gpu_probes/moe_costs.py --shape qwen3-30b-a3b-8l
     python3 scripts/gpu_probes/moe_costs.py --shape mixtral-8x7b-8l
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import jax
@@ -37,6 +43,7 @@ from jaxspec.sampling_params import GREEDY
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
+from pallas_kernels.experts import experts_mlp
 
 
 def emit(**row):
@@ -89,12 +96,17 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", default="17,49")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tiles", default="64/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
+                   "to time, comma-separated (the first is the default's)")
+    p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
     args = p.parse_args()
     model = random_model(args.shape, args.dtype)
     c = model.config
     bw = copy_bandwidth()
     sizes = layer_bytes(model)
-    emit(kind="machine", shape=args.shape, dtype=args.dtype, copy_gb_s=round(bw / 1e9, 1), **machine())
+    skip = set(args.skip.split(","))
+    emit(kind="machine", shape=args.shape, dtype=args.dtype, copy_gb_s=round(bw / 1e9, 1),
+         expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", **machine())
     emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
     rng = np.random.default_rng(0)
     loop, _ = DecodeMethod("plain").loop(model, None)
@@ -105,7 +117,7 @@ def main() -> int:
         per_layer = sizes["attention"] + sizes["router"] + experts * sizes["expert"]
         return (c.num_layers * per_layer + sizes["head"]) / bw  # bytes read at the copy's traffic rate
 
-    for b in (int(x) for x in args.batches.split(",") if x):
+    for b in (int(x) for x in args.batches.split(",") if x and "step" not in skip):
         prompts = rng.integers(1, c.vocab_size, (b, args.prompt_len)).tolist()
         batches = {n: make_batch([Request(tuple(q), dataclasses.replace(GREEDY, max_tokens=n)) for q in prompts], b,
                                  bucket(args.prompt_len), c.pad_token_id) for n in (n1, n2)}
@@ -123,7 +135,7 @@ def main() -> int:
     cache = KVCache.create(c, 1, args.prompt_len + 8, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
     cache = cache.replace(lengths=jnp.full((1,), args.prompt_len, jnp.int32))
     base = None
-    for k in [0] + [int(x) for x in args.ks.split(",")]:
+    for k in ([0] + [int(x) for x in args.ks.split(",")] if "verify" not in skip else []):
         tokens = jnp.asarray(rng.integers(1, c.vocab_size, (1, k + 1)), jnp.int32)
         run = lambda t=tokens: jax.block_until_ready(fwd_jit(model.weights, c, t, cache, attention=attention))  # noqa: E731
         run()
@@ -150,21 +162,33 @@ def main() -> int:
         gu = jax.lax.ragged_dot(xs, wg.reshape(e, d, 2 * f), sizes, preferred_element_type=jnp.float32).astype(h.dtype)
         return jax.lax.ragged_dot(jax.nn.silu(gu[:, :f]) * gu[:, f:], wd, sizes)
 
-    for t in (int(x) for x in args.tokens.split(",") if x):
-        if t * k * sizes["expert"] > 0.25 * jax.devices()[0].memory_stats().get("bytes_limit", 2**62):
+    tiles = [tuple(int(v) for v in t.split("/")) for t in args.tiles.split(",") if t]
+    kernels = {f"kernel_{n}_{w}_{st}": jax.jit(functools.partial(experts_mlp, block_n=n, num_warps=w, num_stages=st,
+                                                                          interpret=jax.default_backend() == "cpu"))
+               for n, w, st in tiles}
+    for t in (int(x) for x in args.tokens.split(",") if x and "expert_op" not in skip):
+        if t * k * sizes["expert"] > 0.25 * (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 2**62):
             emit(kind="expert_op", tokens=t, skipped="the gather path's per-pair weight copies would not fit")
             continue
         h = jnp.asarray(rng.standard_normal((t, d)), model.dtype)
         experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
         unique = len(np.unique(np.asarray(experts)))
+        weights = jnp.full((t, k), 1.0 / k, jnp.float32)
         row = {}
-        for name, fn in (("gather", gathered), ("ragged_dot", grouped)):
+        paths = [("gather", gathered), ("ragged_dot", grouped)]
+        paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
+        for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
-            call()
+            try:
+                call()
+            except Exception as e:  # a tile setting the GPU cannot run (shared memory): reported, not fatal
+                row[name + "_error"] = str(e).splitlines()[0][:200]
+                continue
             row[name + "_us"] = round(1e6 * best_seconds(call, args.repeats), 1)
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
-             gather_of_floor=round(floor_us / row["gather_us"], 3), ragged_of_floor=round(floor_us / row["ragged_dot_us"], 3))
+             **{name.removesuffix("_us") + "_of_floor": round(floor_us / v, 3) for name, v in row.items()
+                if name.endswith("_us")})
     return 0
 
 
