@@ -12,7 +12,8 @@
 - expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
   (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too), us
-  per call.
+  per call, and each kernel's largest error against the float32 reference (relative to its
+  largest output).
 
 The step and verify rows use the engine's own choice of expert path; JAXSPEC_EXPERT_PATH=gather
 (or ragged_dot, kernel) forces one, for a baseline in the same session.
@@ -43,7 +44,7 @@ from jaxspec.sampling_params import GREEDY
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
-from pallas_kernels.experts import experts_mlp
+from pallas_kernels.experts import experts_mlp, experts_mlp_reference
 
 
 def emit(**row):
@@ -175,6 +176,7 @@ def main() -> int:
         unique = len(np.unique(np.asarray(experts)))
         weights = jnp.full((t, k), 1.0 / k, jnp.float32)
         row = {}
+        ref = np.asarray(experts_mlp_reference(h, experts, weights, layer.experts_gate_up, layer.experts_down))
         paths = [("gather", gathered), ("ragged_dot", grouped)]
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
         for name, fn in paths:
@@ -185,6 +187,9 @@ def main() -> int:
                 row[name + "_error"] = str(e).splitlines()[0][:200]
                 continue
             row[name + "_us"] = round(1e6 * best_seconds(call, args.repeats), 1)
+            if name.startswith("kernel"):  # its output against the float32 reference, as a check on the device
+                err = np.max(np.abs(np.asarray(call(), np.float32) - ref)) / np.max(np.abs(ref))
+                row[name + "_rel_err"] = float(f"{err:.2e}")
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
              **{name.removesuffix("_us") + "_of_floor": round(floor_us / v, 3) for name, v in row.items()
