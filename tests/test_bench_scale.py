@@ -189,3 +189,16 @@ def test_the_greedy_tokens_script_prints_plain_and_speculative_tokens(monkeypatc
     assert set(out) == {"bf16-plain", "bf16-spec"}
     assert [len(row) for row in out["bf16-plain"]] == [6, 6]
     assert "bf16-spec: equals plain" in captured.err  # lossless: the draft changes no token
+
+
+def test_moe_floors_count_the_experts_read_and_same_routing_reads_one_tokens_experts():
+    from jaxspec.bench.experts import active_weight_bytes, unique_experts, with_routing
+
+    model = random_model("tiny-moe", "float32")
+    c = model.config
+    assert active_weight_bytes(model, c.num_experts) == step_weight_bytes(model)
+    assert step_weight_bytes(model) - active_weight_bytes(model, c.experts_per_token) == \
+        c.num_layers * (c.num_experts - c.experts_per_token) * 3 * c.hidden_size * c.moe_intermediate_size * 4
+    tokens = np.random.default_rng(0).integers(1, c.vocab_size, (4, 4))
+    assert unique_experts(model, tokens, 8) > 2 * c.experts_per_token  # random routers spread 16 tokens
+    assert unique_experts(with_routing(model, "same"), tokens, 8) == c.experts_per_token

@@ -38,6 +38,7 @@ from jaxspec.bench.common import best_seconds, machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.schedulers import lengths_cases, lognormal_requests, scheduler_rows
 from jaxspec.bench.eagle_costs import head_ms, head_step_bytes
+from jaxspec.bench.experts import ROUTINGS, active_weight_bytes, unique_experts, with_routing
 from jaxspec.bench.shapes import random_head, random_model, step_weight_bytes
 from jaxspec.model.quantize import SCHEMES
 from jaxspec.checks import int_list
@@ -78,6 +79,9 @@ def add_scale_args(p) -> None:
     g.add_argument("--parts", help=f"--shape: comma-separated subset of {','.join(PARTS)} (default all); without "
                                    "--shape, 'continuous' runs only the scheduler comparison on the embedded pair")
     g.add_argument("--seed", type=int, default=0, help="random weights and prompts")
+    g.add_argument("--routing", choices=ROUTINGS, default="random",
+                   help="a mixture-of-experts target's routers: random, or zeroed so every token chooses the same "
+                        "experts (the locality bound of a verify pass)")
     g.add_argument("--quantize", choices=SCHEMES, help="the target's projections in 8 bits (default: none)")
     g.add_argument("--draft-quantize", choices=SCHEMES, help="the draft's projections in 8 bits (default: none)")
     g.add_argument("--eagle-k", type=int_list, default=[3, 5, 7], help="eagle part: chain lengths (default 3,5,7)")
@@ -205,12 +209,19 @@ def plain_row(model, batch: int, prompt_len: int, new_tokens: int, repeats: int,
     pre = _prefill_s(model, prompts, new_tokens, 0, repeats, attention)
     steps = new_tokens - 1  # the prefill made the first token
     step_ms = 1000 * (outs.metrics.decode_s - pre) / steps
-    floor_bytes = step_weight_bytes(model) + _kv_bytes(model, batch, prompt_len + new_tokens / 2)
+    experts = {}
+    if model.config.is_moe:  # a step reads the experts its tokens choose (a random next token's, as a sample)
+        tokens = np.random.default_rng(seed).integers(1, model.config.vocab_size, (batch, 1))
+        experts = {"experts_per_layer": unique_experts(model, tokens, prompt_len)}
+        weight_bytes = active_weight_bytes(model, experts["experts_per_layer"])
+    else:
+        weight_bytes = step_weight_bytes(model)
+    floor_bytes = weight_bytes + _kv_bytes(model, batch, prompt_len + new_tokens / 2)
     floor_ms = 1000 * floor_bytes / bw
     return {"part": "plain", "model": model.name, "batch": batch, "prompt_len": prompt_len,
             "new_tokens": new_tokens, "compile_s": compile_s, "prefill_ms": 1000 * pre, "ms_per_step": step_ms,
             "tokens_per_s": batch * 1000 / step_ms, "floor_ms": floor_ms, "of_floor": floor_ms / step_ms,
-            "bytes_per_step": floor_bytes}
+            "bytes_per_step": floor_bytes, **experts}
 
 
 def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, costs, k=None, tree=None):
@@ -237,7 +248,8 @@ def spec_row(target, draft, prompt_len, new_tokens, repeats, attention, seed, co
         draft_ms = costs[("draft", "t=2")] + (k - 1) * costs[("draft", "t=1")]
         verify_ms = costs[("target", f"t={k + 1}")]
     method = f"ngram K={k}" if ngram else f"tree {tree}" if tree else f"K={k}"
-    return {"part": "spec", "method": method, "compile_s": compile_s,
+    experts = {} if outs.metrics.experts_per_layer is None else {"experts_per_layer": outs.metrics.experts_per_layer}
+    return {"part": "spec", "method": method, "compile_s": compile_s, **experts,
             "rounds": rounds, "ms_per_round": round_ms, "draft_ms": draft_ms, "verify_ms": verify_ms,
             "overhead": round_ms / (draft_ms + verify_ms) - 1}
 
@@ -377,7 +389,7 @@ def run_scale_bench(args) -> int:
 
     dtype = args.dtype or "bfloat16"
     t0 = time.perf_counter()
-    target = random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize)
+    target = with_routing(random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize), args.routing)
     jax.block_until_ready(target.weights)
     draft = None
     if args.draft_shape:

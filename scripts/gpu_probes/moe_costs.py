@@ -36,6 +36,7 @@ import numpy as np
 
 import jaxspec.model.forward as fwd
 from jaxspec.bench.common import best_seconds, machine
+from jaxspec.bench.experts import ROUTINGS, one_expert_bytes, unique_experts, with_routing
 from jaxspec.bench.shapes import random_model
 from jaxspec.decoding.loop import decode
 from jaxspec.decoding.method import DecodeMethod
@@ -67,24 +68,9 @@ def first_layer(model):
 
 def layer_bytes(model) -> dict:
     w = first_layer(model)
-    item = jnp.dtype(model.dtype).itemsize
     c = model.config
-    one_expert = 3 * c.hidden_size * c.moe_intermediate_size * item
-    return {"attention": w.wqkv.nbytes + w.wo.nbytes, "router": w.router.nbytes, "expert": one_expert,
-            "head": c.hidden_size * c.vocab_size * item}
-
-
-def unique_experts(model, tokens: np.ndarray, cache_len: int) -> float:
-    """Mean over layers of the distinct experts that `tokens` [b, t] choose after a prefix of
-    cache_len random tokens (forward's routing)."""
-    b = tokens.shape[0]
-    prefix = np.random.default_rng(1).integers(1, model.config.vocab_size, (b, cache_len))
-    cache = KVCache.create(model.config, b, cache_len + tokens.shape[1], model.dtype,
-                           stacked=not isinstance(model.weights.layers, tuple))
-    *_, routing = fwd.forward(model.weights, model.config, jnp.asarray(np.concatenate([prefix, tokens], 1), jnp.int32),
-                              cache, routing=True)
-    chosen = np.asarray(routing)[:, :, -tokens.shape[1]:]  # [L, b, t, k]
-    return float(np.mean([len(np.unique(layer)) for layer in chosen]))
+    return {"attention": w.wqkv.nbytes + w.wo.nbytes, "router": w.router.nbytes, "expert": one_expert_bytes(model),
+            "head": c.hidden_size * c.vocab_size * jnp.dtype(model.dtype).itemsize}
 
 
 def main() -> int:
@@ -99,14 +85,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiles", default="64/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
                    "to time, comma-separated (the first is the default's)")
+    p.add_argument("--routing", choices=ROUTINGS, default="random",
+                   help="random routers, or zeroed ones so every token chooses the same experts (the locality bound)")
     p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
     args = p.parse_args()
-    model = random_model(args.shape, args.dtype)
+    model = with_routing(random_model(args.shape, args.dtype), args.routing)
     c = model.config
     bw = copy_bandwidth()
     sizes = layer_bytes(model)
     skip = set(args.skip.split(","))
-    emit(kind="machine", shape=args.shape, dtype=args.dtype, copy_gb_s=round(bw / 1e9, 1),
+    emit(kind="machine", shape=args.shape, dtype=args.dtype, routing=args.routing, copy_gb_s=round(bw / 1e9, 1),
          expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", **machine())
     emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
     rng = np.random.default_rng(0)
