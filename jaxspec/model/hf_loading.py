@@ -80,12 +80,12 @@ def _to_engine(raw: dict, scales: dict, grids: dict, *, layout: tuple, blocks: t
     raw = {name: dequantize_blocks(a, grids[name], left[name]) if name in grids else a for name, a in raw.items()}
     out = {name: (raw[name].T if transpose else raw[name]).reshape(shape) for name, transpose, shape in layout}
     fmt = "fp8"
-    if requantize:
-        contract = lambda n: CHECKPOINT_CONTRACTED[n if config is None else "layers." + n]  # noqa: E731
-        quantized = {n: quantize_in_weight_layout(a.astype(jnp.float32), contract(n), requantize) for n, a in out.items()
-                     if (n if config is None else "layers." + n) in CHECKPOINT_CONTRACTED}
+    if requantize:  # every projection, from float32 (dequantized, or as stored): its one rounding
+        key = lambda n: n if config is None else "layers." + n  # noqa: E731 (CHECKPOINT_CONTRACTED's name)
+        quantized = {n: quantize_in_weight_layout(a.astype(jnp.float32), CHECKPOINT_CONTRACTED[key(n)], requantize)
+                     for n, a in out.items() if key(n) in CHECKPOINT_CONTRACTED}
         out |= {n: values for n, (values, _) in quantized.items()}
-        scales, fmt = {n: s for n, (_, s) in quantized.items()}, requantize
+        scales, fmt = {n: scale for n, (_, scale) in quantized.items()}, requantize
     out = {name: a if name in scales else a.astype(dtype) for name, a in out.items()}
     if config is not None:
         return fuse_quantized_layer(config, out, scales, mlp, fmt)
