@@ -244,8 +244,10 @@ def test_unsupported_fp8_layouts_are_refused_by_name(tmp_path):
     folder = fp8_folder(tmp_path, per_channel=True)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
-    with pytest.raises(jaxspec.CheckpointError, match=r"weight_block_size \[128, 128\] is not supported"):
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+            "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}}))
+    with pytest.raises(jaxspec.CheckpointError, match="compressed-tensors' and weights num_bits 8, type 'float', "
+                       "strategy 'block' is not supported"):
         jaxspec.load(folder)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(jaxspec.InputError, match="stores its weights in fp8"):

@@ -17,7 +17,15 @@ import numpy as np
 from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.eagle import convert_eagle, is_eagle3
-from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, SCALE, STORED_DTYPES, check_scheme, quantize_checkpoint
+from jaxspec.model.quantize import (
+    CHECKPOINT_CONTRACTED,
+    SCALE,
+    STORED_DTYPES,
+    block_grid,
+    check_scheme,
+    dequantize_blocks,
+    quantize_checkpoint,
+)
 from jaxspec.model.safetensors_files import FP8_E4M3, open_all, read_tensor  # noqa: F401 (public here too)
 from jaxspec.model.weights import ParamSpec, param_specs
 
@@ -65,40 +73,81 @@ def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
 
 
 WEIGHT_SCALE, INPUT_SCALE = ".weight_scale", ".input_scale"  # beside an fp8 projection's ".weight"
+WEIGHT_SCALE_INV = ".weight_scale_inv"  # beside a block-wise fp8 weight: its grid of scales (hf_fp8_blocks)
+SUPPORTED_FP8 = (
+    "jaxspec reads fp8 e4m3 weights with per-tensor or per-channel scales (quant_method \"fp8\", or "
+    "\"compressed-tensors\" with 8-bit float weights by tensor or channel), or with block-wise scales "
+    "(quant_method \"fp8\" with weight_block_size [rows, columns] and activation_scheme \"dynamic\")")
+
+
+def _quantization_config(hf_dir: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config") or None
+    except (OSError, json.JSONDecodeError):
+        return None  # load_config reports a missing or corrupt config.json
 
 
 def hf_quantization(hf_dir: str | Path) -> str | None:
     """"fp8" when the folder's config.json declares fp8 e4m3 weights with per-tensor or
     per-channel scales (quant_method "fp8", or "compressed-tensors" with 8-bit float weights by
-    tensor or channel), as vLLM reads them; None when it declares none; other schemes are refused
-    by name. Activation scales (input_scale) are ignored: activations stay in the model's dtype."""
-    try:
-        qc = json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError):
-        return None  # load_config reports a missing or corrupt config.json
+    tensor or channel), as vLLM reads them: their bits are kept. None when it declares none, or
+    block-wise scales (hf_fp8_blocks: those are dequantized as they load); other schemes are
+    refused by name. Activation scales (input_scale) are ignored: activations stay in the model's
+    dtype."""
+    qc = _quantization_config(hf_dir)
     if not qc:
         return None
-    supported = ("jaxspec reads fp8 e4m3 weights with per-tensor or per-channel scales (quant_method \"fp8\", or "
-                 "\"compressed-tensors\" with 8-bit float weights by tensor or channel)")
     method = qc.get("quant_method")
-    if method == "fp8" and not qc.get("weight_block_size"):
-        return "fp8"
+    if method == "fp8":
+        return None if hf_fp8_blocks(hf_dir) else "fp8"
+    detail = f"quant_method {method!r}"
     if method == "compressed-tensors":
         groups = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-        if groups and all(w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel")
-                          for w in groups):
+        unsupported = [w for w in groups if not (w.get("num_bits") == 8 and w.get("type") == "float"
+                                                  and w.get("strategy") in ("tensor", "channel"))]
+        if groups and not unsupported:
             return "fp8"
-    detail = f"weight_block_size {qc['weight_block_size']}" if qc.get("weight_block_size") else f"quant_method {method!r}"
-    raise CheckpointError(f"{Path(hf_dir) / 'config.json'}: quantization_config with {detail} is not supported; {supported}")
+        if unsupported:
+            w = unsupported[0]
+            detail += (f" and weights num_bits {w.get('num_bits')!r}, type {w.get('type')!r}, "
+                       f"strategy {w.get('strategy')!r}")
+    raise CheckpointError(f"{Path(hf_dir) / 'config.json'}: quantization_config with {detail} is not supported; "
+                          f"{SUPPORTED_FP8}")
 
 
-def _fp8_scales(found: dict, expected: dict) -> dict:
-    """HF name of each projection's weight_scale -> (spec, layer), for the projections stored in fp8."""
+def hf_fp8_blocks(hf_dir: str | Path) -> tuple[int, int] | None:
+    """(rows, columns) of each scale's block when the folder's config.json declares fp8 e4m3
+    weights with block-wise scales (quant_method "fp8" with weight_block_size, as Qwen3-*-FP8 and
+    DeepSeek-V3 publish them: weight [out, in] in F8_E4M3 beside weight_scale_inv, one float32 per
+    block); None otherwise. Anything but two positive block sizes, or activation scales other
+    than dynamic ones (no published checkpoint has them; vLLM refuses them too), is refused."""
+    qc = _quantization_config(hf_dir)
+    if not qc or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is None:
+        return None
+    where = f"{Path(hf_dir) / 'config.json'}: quantization_config"
+    block = qc["weight_block_size"]
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"{where}.weight_block_size must be two positive integers [rows, columns], as "
+                              f"[128, 128]; got {block!r}")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"{where}.activation_scheme {qc['activation_scheme']!r} with weight_block_size is not "
+                              f"supported; block-wise fp8 is read with activation_scheme \"dynamic\"")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{where}.fmt {qc['fmt']!r} is not supported; block-wise fp8 is read in \"e4m3\"")
+    return tuple(block)
+
+
+def _fp8_scales(found: dict, expected: dict, blocks: tuple | None) -> dict:
+    """HF name of each fp8 weight's scale -> (spec, layer): a projection's weight_scale, or with
+    `blocks` any linear weight's weight_scale_inv (experts' and the router's too: they are
+    dequantized, so any [out, in] weight may be block-wise)."""
+    suffix = WEIGHT_SCALE_INV if blocks else WEIGHT_SCALE
     scales = {}
     for name, (spec, layer) in expected.items():
         base = name.removesuffix(".weight")
-        if spec.field in CHECKPOINT_CONTRACTED and base + WEIGHT_SCALE in found:
-            scales[base + WEIGHT_SCALE] = (spec, layer)
+        if (spec.transpose if blocks else spec.field in CHECKPOINT_CONTRACTED) and base + suffix in found:
+            scales[base + suffix] = (spec, layer)
     return scales
 
 
@@ -106,11 +155,14 @@ def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -
     """HF tensor name -> (spec, layer index or None, file, open safetensors handle) for every
     tensor the config implies, after checking every name and shape in the folder (before any
     data is read); the error names the offending tensor and file. An fp8 folder (hf_quantization)
-    adds each fp8 projection's weight_scale (name ending WEIGHT_SCALE, its projection's spec)."""
+    adds each fp8 projection's weight_scale (name ending WEIGHT_SCALE, its projection's spec); a
+    block-wise one (hf_fp8_blocks) each fp8 weight's grid of scales (WEIGHT_SCALE_INV)."""
     hf_dir = Path(hf_dir)
     found = open_all(_safetensors_files(hf_dir), framework)
     expected = _expected(config)
-    scales = _fp8_scales(found, expected) if hf_quantization(hf_dir) else {}
+    blocks = hf_fp8_blocks(hf_dir)
+    suffix = WEIGHT_SCALE_INV if blocks else WEIGHT_SCALE
+    scales = _fp8_scales(found, expected, blocks) if blocks or hf_quantization(hf_dir) else {}
     tied_head = config.tie_word_embeddings and "lm_head.weight" in found
     unexpected = [
         n for n in found
@@ -136,20 +188,26 @@ def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -
                 f"tensor {name} in {path.name} has shape {shape}; the config implies {spec.hf_shape}"
             )
         fp8 = handle.get_slice(name).get_dtype() == FP8_E4M3
-        if fp8 != (name.removesuffix(".weight") + WEIGHT_SCALE in scales):
+        if fp8 != (name.removesuffix(".weight") + suffix in scales):
             raise CheckpointError(f"tensor {name} in {path.name} is {'fp8 without' if fp8 else 'not fp8 but has'} a "
-                                  f"{WEIGHT_SCALE.lstrip('.')}: an fp8 projection needs its scale and only it")
-    mixed = {spec.field for spec, _ in scales.values()} & {
-        spec.field for name, (spec, _) in expected.items() if name.removesuffix(".weight") + WEIGHT_SCALE not in scales}
+                                  f"{suffix.lstrip('.')}: an fp8 weight needs its scale and only it")
+    # Per-channel fp8 stays 8-bit, stacked over layers: one dtype per field. Block-wise fp8 is
+    # dequantized tensor by tensor, so its layers may differ.
+    mixed = set() if blocks else {spec.field for spec, _ in scales.values()} & {
+        spec.field for name, (spec, _) in expected.items() if name.removesuffix(".weight") + suffix not in scales}
     if mixed:
         raise CheckpointError(f"{hf_dir}: {', '.join(sorted(mixed))} are fp8 in some layers only; "
                               "a projection must be fp8 in every layer or in none")
     for name, (spec, _) in scales.items():
         path, handle = found[name]
-        size = int(np.prod(handle.get_slice(name).get_shape()))
-        if size not in (1, spec.hf_shape[0]):
-            raise CheckpointError(f"tensor {name} in {path.name} has {size} scales; per-tensor (1) or per-channel "
-                                  f"({spec.hf_shape[0]}) are supported")
+        shape = tuple(handle.get_slice(name).get_shape())
+        if blocks and shape != block_grid(spec.hf_shape, blocks):
+            raise CheckpointError(
+                f"tensor {name} in {path.name} has shape {shape}; weight_block_size {list(blocks)} over its weight "
+                f"{name.removesuffix(suffix)}.weight of shape {spec.hf_shape} implies {block_grid(spec.hf_shape, blocks)}")
+        if not blocks and int(np.prod(shape)) not in (1, spec.hf_shape[0]):
+            raise CheckpointError(f"tensor {name} in {path.name} has {int(np.prod(shape))} scales; per-tensor (1) or "
+                                  f"per-channel ({spec.hf_shape[0]}) are supported")
     return {name: (spec, layer, *found[name]) for name, (spec, layer) in (expected | scales).items()}
 
 
@@ -161,16 +219,28 @@ def channel_scales(scale: np.ndarray, spec: ParamSpec) -> np.ndarray:
     return np.broadcast_to(flat, (int(np.prod(out_shape)),)).reshape(out_shape)
 
 
-def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict[str, np.ndarray]:
+def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None, projections=None) -> dict[str, np.ndarray]:
     """Reads and validates a HF safetensors checkpoint into host arrays in the engine's
-    checkpoint layout (layers stacked), in `dtype` (None: the source's): what conversion writes."""
+    checkpoint layout (layers stacked), in `dtype` (None: the source's): what conversion writes.
+    A block-wise fp8 folder's weights are dequantized in float32 and rounded once, to `dtype` (None:
+    that of its floating-point weights); projections: the projections' dtype instead (float32 for
+    quantize_checkpoint to requantize them from, rounding once)."""
     tensors = open_hf(hf_dir, config)
+    blocks = hf_fp8_blocks(hf_dir)
+    if blocks and dtype is None:  # embeddings are never fp8 (not linear weights): their dtype is the source's
+        _, _, path, handle = tensors["model.embed_tokens.weight"]
+        dtype = handle.get_slice("model.embed_tokens.weight")[:1].dtype
     # Each field is allocated once, stacked over layers, and filled tensor by tensor (cast on the
     # way in): a checkpoint of many shards never sits in host memory twice. An fp8 folder's
     # projections stay 8-bit (their bits), with float32 scales under the field's name + SCALE.
     fields: dict[str, np.ndarray] = {}
     for name, (spec, layer, path, handle) in tensors.items():
+        if name.endswith(WEIGHT_SCALE_INV):
+            continue  # read with its weight
         arr = read_tensor(name, path, handle)
+        scale_inv = name.removesuffix(".weight") + WEIGHT_SCALE_INV
+        if scale_inv in tensors:
+            arr = dequantize_blocks(arr, read_tensor(scale_inv, *tensors[scale_inv][2:]), blocks)
         field = spec.field
         if name.endswith(WEIGHT_SCALE):
             arr, field = channel_scales(arr, spec), spec.field + SCALE
@@ -179,7 +249,8 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None) -> dict
         if field not in fields:
             shape = ((config.num_layers,) if layer is not None else ()) + arr.shape
             keep = arr.dtype == np.uint8 or field.endswith(SCALE) or dtype is None
-            fields[field] = np.empty(shape, arr.dtype if keep else np.dtype(dtype))
+            want = projections if projections is not None and field in CHECKPOINT_CONTRACTED else dtype
+            fields[field] = np.empty(shape, arr.dtype if keep else np.dtype(want))
         if layer is None:
             fields[field][...] = arr
         else:
@@ -338,7 +409,9 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
     stored = hf_quantization(hf_dir)
     if stored and quantize and quantize != stored:
         raise CheckpointError(f"{hf_dir} stores its projections in {stored}: convert it with --quantize {stored} or none")
-    fields = read_hf_weights(hf_dir, config, None if dtype is None else jax.numpy.dtype(dtype))
+    # Block-wise fp8 asked for 8 bits is requantized per channel from its float32 weights: one rounding.
+    projections = np.float32 if quantize and hf_fp8_blocks(hf_dir) else None
+    fields = read_hf_weights(hf_dir, config, None if dtype is None else jax.numpy.dtype(dtype), projections)
     if quantize and not stored:
         fields = quantize_checkpoint(fields, quantize)
     return write_checkpoint(fields, hf_dir, out_dir, quantize or stored)

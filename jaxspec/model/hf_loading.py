@@ -13,15 +13,22 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxspec.model import layout
-from jaxspec.model.checkpoint import WEIGHT_SCALE, channel_scales, open_hf
+from jaxspec.model.checkpoint import WEIGHT_SCALE, WEIGHT_SCALE_INV, channel_scales, hf_fp8_blocks, open_hf
 from jaxspec.model.safetensors_files import read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
-from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, as_quantized
+from jaxspec.model.quantize import (
+    CHECKPOINT_CONTRACTED,
+    as_quantized,
+    dequantize_blocks,
+    expand_block_scales,
+    quantize_in_weight_layout,
+)
 from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_quantized_layer
 
 PROGRESS_AFTER_S = 3.0  # a progress bar appears on loads that take longer than this
@@ -49,25 +56,50 @@ def hf_axes(p: ParamSpec) -> tuple:
     return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "dtype", "config", "mlp"))
-def _to_engine(raw: dict, scales: dict, *, layout: tuple, dtype, config: ModelConfig | None, mlp: bool) -> dict:
+def split_block_scales(grid, shape: tuple, block: tuple, split: tuple) -> tuple:
+    """A block-wise fp8 weight's grid of scales, ready to split over devices as the weight is
+    (split: each HF axis's mesh axis or None): along a split axis expanded to one scale per row
+    (or column), so each device's slice of it is its slice of the weight's even where a device's
+    share cuts a block. -> (that grid, the block sizes left to expand there: 1 on split axes)."""
+    left = tuple(1 if a is not None else b for a, b in zip(split, block))
+    sizes = tuple(n if a is not None else g for n, g, a in zip(shape, grid.shape, split))
+    return expand_block_scales(grid, sizes, tuple(b if a is not None else 1 for a, b in zip(split, block))), left
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "blocks", "dtype", "config", "mlp", "requantize"))
+def _to_engine(raw: dict, scales: dict, grids: dict, *, layout: tuple, blocks: tuple, dtype, config: ModelConfig | None,
+               mlp: bool, requantize: str | None) -> dict:
     """HF-layout tensors on their devices -> the engine layout in `dtype`, fused (fuse_layer)
     when `config` is given: one graph for every layer (and one for the top-level tensors), not
     one per tensor shape. layout: (field, transpose, engine shape) of each tensor. Tensors with
-    `scales` (fp8 bits; their per-channel scales in the engine's output axes) stay 8-bit."""
+    `scales` (fp8 bits; their per-channel scales in the engine's output axes) stay 8-bit. Tensors
+    with `grids` (block-wise fp8 bits; blocks: (field, block sizes left to expand) of each, see
+    split_block_scales) are dequantized in float32, then rounded once: to `dtype`, or with
+    `requantize` ("int8" / "fp8") every projection to 8 bits per channel from its float32 values."""
+    left = dict(blocks)
+    raw = {name: dequantize_blocks(a, grids[name], left[name]) if name in grids else a for name, a in raw.items()}
     out = {name: (raw[name].T if transpose else raw[name]).reshape(shape) for name, transpose, shape in layout}
+    fmt = "fp8"
+    if requantize:  # every projection, from float32 (dequantized, or as stored): its one rounding
+        key = lambda n: n if config is None else "layers." + n  # noqa: E731 (CHECKPOINT_CONTRACTED's name)
+        quantized = {n: quantize_in_weight_layout(a.astype(jnp.float32), CHECKPOINT_CONTRACTED[key(n)], requantize)
+                     for n, a in out.items() if key(n) in CHECKPOINT_CONTRACTED}
+        out |= {n: values for n, (values, _) in quantized.items()}
+        scales, fmt = {n: scale for n, (_, scale) in quantized.items()}, requantize
     out = {name: a if name in scales else a.astype(dtype) for name, a in out.items()}
     if config is not None:
-        return fuse_quantized_layer(config, out, scales, mlp, "fp8")
-    return out | {name: as_quantized(out[name], s, "fp8", CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
+        return fuse_quantized_layer(config, out, scales, mlp, fmt)
+    return out | {name: as_quantized(out[name], s, fmt, CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
 
 
-def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool) -> dict:
+def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool, block: tuple | None,
+             requantize: str | None) -> dict:
     """Reads `entries` (open_hf items) onto their devices, each device only its own shard, and
     converts them there; an fp8 projection's weight_scale becomes one scale per output channel,
-    split as that channel axis is."""
+    split as that channel axis is; a block-wise fp8 weight's weight_scale_inv (`block` sizes)
+    goes with its weight (split_block_scales)."""
     tp = 1 if mesh is None else mesh.size
-    raw, scales, shapes = {}, {}, []
+    raw, scales, grids, blocks, shapes = {}, {}, {}, [], []
     for name, (p, _, path, handle) in entries:
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
         tensor = read_tensor(name, path, handle)
@@ -75,16 +107,27 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool)
             out_axes = p.axes[CHECKPOINT_CONTRACTED[p.field]:] if p.axes else ()
             scales[field] = put(channel_scales(tensor, p), named(mesh, spec(split_axes(out_axes, config, tp))))
             continue
-        raw[field] = put(tensor, named(mesh, spec(split_axes(hf_axes(p), config, tp))))
+        split = split_axes(hf_axes(p), config, tp) if tp > 1 else (None,) * len(p.hf_shape)
+        if name.endswith(WEIGHT_SCALE_INV):
+            grid, left = split_block_scales(tensor, p.hf_shape, block, split)
+            grids[field] = put(grid, named(mesh, spec(split)))
+            blocks.append((field, left))
+            continue
+        raw[field] = put(tensor, named(mesh, spec(split)))
         shapes.append((field, p.transpose, p.shape))
-    return _to_engine(raw, scales, layout=tuple(shapes), dtype=dtype, config=config if fuse else None,
-                      mlp=layout.fuse_mlp())
+    return _to_engine(raw, scales, grids, layout=tuple(shapes), blocks=tuple(sorted(blocks)), dtype=dtype,
+                      config=config if fuse else None, mlp=layout.fuse_mlp(), requantize=requantize)
 
 
-def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None) -> Weights:
+def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None,
+                    requantize: str | None = None) -> Weights:
     """The weights of a HF folder (checked first: every name and shape) in `dtype`, split over
-    `mesh` (None: the default device), as weights_from_fields builds them from a checkpoint."""
+    `mesh` (None: the default device), as weights_from_fields builds them from a checkpoint.
+    A block-wise fp8 folder (hf_fp8_blocks) is dequantized as it loads, a layer at a time;
+    requantize "int8" / "fp8": the projections then come out 8-bit per channel, quantized from
+    their float32 values in the same pass (never a whole model in float32)."""
     tensors = open_hf(hf_dir, config)
+    block = hf_fp8_blocks(hf_dir)
     by_layer: list[list] = [[] for _ in range(config.num_layers)]
     top_entries = []
     for entry in tensors.items():
@@ -96,10 +139,11 @@ def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh |
         leave=False,
     ) as bar:
         # The first layer alone compiles the layers' graph; the rest share it, in parallel.
-        layers = [_convert(by_layer[0], config, dtype, mesh, fuse=True)]
+        layers = [_convert(by_layer[0], config, dtype, mesh, True, block, requantize)]
         bar.update(1)
-        futures = [pool.submit(_convert, entries, config, dtype, mesh, True) for entries in by_layer[1:]]
-        top = _convert(top_entries, config, dtype, mesh, fuse=False)
+        futures = [pool.submit(_convert, entries, config, dtype, mesh, True, block, requantize)
+                   for entries in by_layer[1:]]
+        top = _convert(top_entries, config, dtype, mesh, False, block, requantize)
         for f in futures:
             layers.append(f.result())
             bar.update(1)

@@ -131,6 +131,32 @@ def quantize_checkpoint(fields: dict, fmt: str) -> dict:
     return out
 
 
+def block_grid(shape: tuple, block: tuple) -> tuple:
+    """The shape of the scale grid of a `shape` weight scaled by `block` blocks: one scale per
+    block, the last one on each axis partial where the block does not divide the axis."""
+    return tuple(-(-size // b) for size, b in zip(shape, block))
+
+
+def expand_block_scales(scale, shape: tuple, block: tuple):
+    """One scale per element of a `shape` weight from its block-wise grid (numpy or jnp, as
+    `scale`): each block's scale repeated over its block, cut to the weight where the last block
+    is partial. A block size of 1 leaves that axis as it is (already one scale per row or column)."""
+    xp = np if isinstance(scale, np.ndarray) else jnp
+    for axis, (size, b) in enumerate(zip(shape, block)):
+        scale = xp.repeat(scale, b, axis=axis)[(slice(None),) * axis + (slice(size),)]
+    return scale
+
+
+def dequantize_blocks(values, scale_inv, block: tuple):
+    """The float32 weight of fp8 e4m3fn `values` (or their uint8 bits) scaled block-wise, as
+    Qwen3-*-FP8 and DeepSeek-V3 store them: weight[i, j] = values[i, j] * scale_inv[i // b0, j // b1]
+    (numpy or jnp, as `values`)."""
+    xp = np if isinstance(values, np.ndarray) else jnp
+    if values.dtype == np.uint8:
+        values = values.view(jnp.float8_e4m3fn) if xp is np else jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    return values.astype(np.float32) * expand_block_scales(scale_inv.astype(np.float32), values.shape, block)
+
+
 def as_quantized(values, scale, fmt: str, contract: int, scale_has_contracted_axes: bool = False):
     """Quantized from values in the weight's layout and their scales (a pair of each for the CPU's
     separate gate/up); scale_has_contracted_axes: the scales still carry the contracted axes as
