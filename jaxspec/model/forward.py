@@ -402,17 +402,20 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
 
 
 # Which path a mixture-of-experts layer's experts take (expert_path). The grouped expert kernel
-# (pallas_kernels/experts.py) reads each chosen expert once, in place: on accelerators up to
-# KERNEL_MAX_TOKENS tokens, and always in deterministic mode (its sums have one order per token).
+# (pallas_kernels/experts.py) reads each chosen expert once, in place: on accelerators from 2 up to
+# KERNEL_MAX_TOKENS tokens, one token whose chosen experts are large, and always in deterministic
+# mode (its sums have one order per token). Measured on an H100 (JAX 0.11.2, bf16, 8 layers,
+# docs/moe.md): Qwen3-30B-A3B verify passes of 2 / 4 / 6 tokens 2.48 / 2.59 / 2.97 ms with the
+# kernel against 2.36 / 3.38 / 4.34 by XLA's rule, decode at batch 8 2.79 against 4.28 ms; Mixtral
+# one token 2.89 against 6.25 ms (its 2 chosen experts are 704 MB: gathering copies them). But one
+# Qwen3 token (8 experts of 9.4 MB) ran 2.01 ms with the kernel against 1.25 gathered, so one token
+# whose chosen experts total at most GATHER_ONE_TOKEN_BYTES is gathered.
 # Past that (prefills) and on the CPU (no Pallas outside interpret mode) XLA's paths: each
 # (token, expert) pair's weights gathered while those copies are small, else jax.lax.ragged_dot,
-# which costs about 0.55 ms a layer even for one token (H100, JAX 0.11.2, bf16, docs/moe.md).
-# Verify passes of 2, 4, 6 tokens: Qwen3-30B-A3B (9.4 MB experts, top-8) 2.29 / 3.24 / 3.98 ms
-# gathered against 4.62 / 4.71 / 4.84 with ragged_dot over 8 layers; Mixtral-8x7B (352 MB experts,
-# top-2) 12.67 ms gathered against 8.65 at 2 tokens, while one token (704 MB) gathered won (839
-# against 1096 us a layer).
+# which costs about 0.55 ms a layer even for one token (H100).
 EXPERT_PATHS = ("kernel", "gather", "ragged_dot")
 KERNEL_MAX_TOKENS = 64
+GATHER_ONE_TOKEN_BYTES = 256 * 2**20  # between the two measured: 75 MB gathered faster, 704 MB slower
 GATHER_MAX_PAIRS = 48
 GATHER_MAX_BYTES = 512 * 2**20
 # One path for every call, or "xla" (XLA's two by the rule below, no kernel), to measure them end
@@ -436,7 +439,9 @@ def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> st
         return "kernel"
     if FORCED_EXPERT_PATH in EXPERT_PATHS:
         return FORCED_EXPERT_PATH
-    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS and FORCED_EXPERT_PATH != "xla":
+    one_small_token = tokens == 1 and pairs * expert_bytes <= GATHER_ONE_TOKEN_BYTES
+    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS and FORCED_EXPERT_PATH != "xla" \
+            and not one_small_token:
         return "kernel"
     if tokens == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * expert_bytes <= GATHER_MAX_BYTES):
         return "gather"
