@@ -17,7 +17,7 @@ import numpy as np
 from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.eagle import convert_eagle, is_eagle3
-from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, SCALE, STORED_DTYPES, check_scheme, quantize_checkpoint
+from jaxspec.model.quantize import SCALE, STORED_DTYPES, check_scheme, checkpoint_contracted, quantize_checkpoint
 from jaxspec.model.safetensors_files import FP8_E4M3, open_all, read_tensor  # noqa: F401 (public here too)
 from jaxspec.model.weights import ParamSpec, param_specs
 
@@ -97,7 +97,7 @@ def _fp8_scales(found: dict, expected: dict) -> dict:
     scales = {}
     for name, (spec, layer) in expected.items():
         base = name.removesuffix(".weight")
-        if spec.field in CHECKPOINT_CONTRACTED and base + WEIGHT_SCALE in found:
+        if checkpoint_contracted(spec.field) and base + WEIGHT_SCALE in found:
             scales[base + WEIGHT_SCALE] = (spec, layer)
     return scales
 
@@ -156,7 +156,7 @@ def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -
 def channel_scales(scale: np.ndarray, spec: ParamSpec) -> np.ndarray:
     """An fp8 projection's weight_scale (per tensor or per output channel) as one float32 scale
     per output channel, in the engine's output axes (spec.shape past the contracted ones)."""
-    out_shape = spec.shape[CHECKPOINT_CONTRACTED[spec.field]:]
+    out_shape = spec.shape[checkpoint_contracted(spec.field):]
     flat = np.asarray(scale, np.float32).reshape(-1)
     return np.broadcast_to(flat, (int(np.prod(out_shape)),)).reshape(out_shape)
 
@@ -196,7 +196,7 @@ def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None, quantiz
     where = lambda name: None if shardings is None else shardings[name]  # noqa: E731
     for spec in param_specs(config):
         lead = (config.num_layers,) if spec.per_layer else ()
-        contract = CHECKPOINT_CONTRACTED.get(spec.field) if spec.field in quantized else None
+        contract = checkpoint_contracted(spec.field) if spec.field in quantized else None
         stored = STORED_DTYPES[quantize] if contract else np.dtype(dtype)
         out[spec.field] = jax.ShapeDtypeStruct(lead + spec.shape, stored, sharding=where(spec.field))
         if contract:
@@ -220,7 +220,7 @@ def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    quantized = [name for name in CHECKPOINT_CONTRACTED if name + SCALE in fields]
+    quantized = [name for name in fields if checkpoint_contracted(name) and name + SCALE in fields]
     eight_bit = set(quantized) | {name + SCALE for name in quantized}
     dtypes = {str(a.dtype) for name, a in fields.items() if name not in eight_bit}
     if len(dtypes) != 1:
@@ -301,7 +301,7 @@ def stored_quantization(path: str | Path) -> tuple[str | None, tuple[str, ...]]:
     scheme, fields = marker.get("quantize"), tuple(marker.get("quantized", ()))
     if scheme is not None and scheme not in STORED_DTYPES:
         raise CheckpointError(f"{Path(path) / MARKER}: quantize {scheme!r} is not one of {', '.join(STORED_DTYPES)}")
-    if not set(fields) <= set(CHECKPOINT_CONTRACTED):
+    if not all(checkpoint_contracted(f) for f in fields):
         raise CheckpointError(f"{Path(path) / MARKER}: quantized fields {sorted(fields)} are not all projections")
     return scheme, fields
 

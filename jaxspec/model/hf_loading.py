@@ -21,7 +21,7 @@ from jaxspec.model.checkpoint import WEIGHT_SCALE, channel_scales, open_hf
 from jaxspec.model.safetensors_files import read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
-from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, as_quantized
+from jaxspec.model.quantize import as_quantized, checkpoint_contracted
 from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_quantized_layer
 
 PROGRESS_AFTER_S = 3.0  # a progress bar appears on loads that take longer than this
@@ -59,7 +59,7 @@ def _to_engine(raw: dict, scales: dict, *, layout: tuple, dtype, config: ModelCo
     out = {name: a if name in scales else a.astype(dtype) for name, a in out.items()}
     if config is not None:
         return fuse_quantized_layer(config, out, scales, mlp, "fp8")
-    return out | {name: as_quantized(out[name], s, "fp8", CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
+    return out | {name: as_quantized(out[name], s, "fp8", checkpoint_contracted(name)) for name, s in scales.items()}
 
 
 def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool) -> dict:
@@ -72,7 +72,7 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool)
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
         tensor = read_tensor(name, path, handle)
         if name.endswith(WEIGHT_SCALE):
-            out_axes = p.axes[CHECKPOINT_CONTRACTED[p.field]:] if p.axes else ()
+            out_axes = p.axes[checkpoint_contracted(p.field):] if p.axes else ()
             scales[field] = put(channel_scales(tensor, p), named(mesh, spec(split_axes(out_axes, config, tp))))
             continue
         raw[field] = put(tensor, named(mesh, spec(split_axes(hf_axes(p), config, tp))))
