@@ -332,9 +332,6 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
                                   f"floating point (their step reads a fifth of a 1B draft's bytes)")
         return convert_eagle(hf_dir, out_dir, dtype)
     config = load_config(hf_dir)
-    if config.is_moe and quantize:
-        raise CheckpointError(f"{hf_dir} is a mixture of experts ({config.model_type}), whose experts have no 8-bit "
-                              "path yet: convert it without --quantize")
     stored = hf_quantization(hf_dir)
     if stored and quantize and quantize != stored:
         raise CheckpointError(f"{hf_dir} stores its projections in {stored}: convert it with --quantize {stored} or none")
