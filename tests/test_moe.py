@@ -134,6 +134,20 @@ def test_an_8bit_moe_converts_loads_back_the_same_and_speculates_losslessly(moe,
     assert [o.token_ids for o in ngram] == plain
 
 
+def test_a_published_per_channel_fp8_moe_checkpoint_computes_what_its_dequantized_weights_say(tmp_path):
+    """A Qwen3-MoE folder in FP8 as published for vLLM (each expert's projections with their
+    per-channel weight_scale) keeps its bits: logits as the same weights dequantized by torch."""
+    from test_quantize import fp8_folder
+
+    kind, overrides = TINY["qwen3_moe"]
+    folder = fp8_folder(tmp_path, per_channel=True, source=save_tiny(tmp_path / "src", kind, overrides, seed=1))
+    model = jaxspec.load(folder, dtype="float32")
+    assert model.quantize == "fp8" and isinstance(model.weights.layers.experts_down, Quantized)
+    tokens = np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 12))
+    want = engine_logits(jaxspec.load(folder.with_name(folder.name + "-dequantized"), dtype="float32"), tokens)
+    np.testing.assert_allclose(engine_logits(model, tokens), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
 def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
     target, _, folder = moe
     kind, overrides = TINY[target.config.model_type]
