@@ -8,7 +8,11 @@ Layout (group_pairs builds it from the router's choices):
   x             [S, k]        rows in blocks of BLOCK_M, block i all for expert block_expert[i]
                               (unused rows: zeros)
   w             [E, k, n]     each expert's weights (k leading: the engine's layout), or, gated,
-                [E, k, 2, n]  gate and up side by side
+                [E, k, 2, n]  gate and up side by side; 8-bit (int8, or fp8 e4m3fn bits) channels
+                              first, [E, n, k] / [E, 2, n, k], as jaxspec's Quantized keeps them,
+                              converted to x's dtype in registers as pallas_kernels/matmul.py does
+  scale         [E, n]        8-bit: float32, each expert's own per output column ([E, 2, n] gated),
+                              applied to the float32 sums before the epilogue
   block_expert  [S / BLOCK_M] int32 each block's expert, -1 for blocks past the last used one
   -> out        [S, n]        out_dtype (gated: silu(gate) * up, as pallas_kernels/fused.py rounds it)
 
@@ -30,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.fused import finish
-from pallas_kernels.matmul import BLOCK_M, _dot, _largest_pow2_divisor
+from pallas_kernels.matmul import BLOCK_M, FORMATS, FP8_SHIFT, NATIVE_FP8, _dot, _largest_pow2_divisor, _weights_as
 
 DEFAULT_BLOCK_K = 128
 DEFAULT_BLOCK_N = 64
@@ -61,7 +65,10 @@ def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
     return slot, block_expert
 
 
-def _kernel(block_expert_ref, x_ref, w_ref, o_ref, *, block_k: int, gated: bool):
+def _kernel(block_expert_ref, x_ref, w_ref, *rest, block_k: int, gated: bool, fmt: str, w_nk: bool,
+            native_fp8: bool):
+    scale_ref = rest[0] if len(rest) == 2 else None
+    o_ref = rest[-1]
     e = block_expert_ref[pl.program_id(0)]
     bn = o_ref.shape[1]
     col = pl.program_id(1) * bn  # (outside pl.when: interpret mode has no program ids inside a cond)
@@ -69,78 +76,115 @@ def _kernel(block_expert_ref, x_ref, w_ref, o_ref, *, block_k: int, gated: bool)
     @pl.when(e >= 0)
     def _():
         k = x_ref.shape[1]
+        cols = pl.ds(col, bn)
 
-        def tile(at, half):
-            if gated:
-                return w_ref[e, pl.ds(at, block_k), half, pl.ds(col, bn)]
-            return w_ref[e, pl.ds(at, block_k), pl.ds(col, bn)]
+        def tile(at, half):  # [block_k, bn] (w_nk: [bn, block_k]) in x's dtype; 8 bits converted exactly
+            rows = pl.ds(at, block_k)
+            at_half = (half,) if gated else ()
+            index = (e, *at_half, cols, rows) if w_nk else (e, rows, *at_half, cols)
+            return _weights_as(w_ref[index], fmt, x_ref.dtype, native_fp8)
 
         def step(i, accs):
             at = pl.multiple_of(i * block_k, block_k)
             x = x_ref[:, pl.ds(at, block_k)]
-            return tuple(acc + _dot(x, tile(at, h)) for h, acc in enumerate(accs))
+            return tuple(acc + _dot(x, tile(at, h), ((1,), (1,)) if w_nk else ((1,), (0,)))
+                         for h, acc in enumerate(accs))
 
         zeros = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
         accs = lax.fori_loop(0, k // block_k, step, (zeros,) * (2 if gated else 1))
+        if scale_ref is not None:  # per-channel scales factor out of the k sums: applied once, to them
+            accs = tuple(acc * scale_ref[(e, h, cols) if gated else (e, cols)][None, :] for h, acc in enumerate(accs))
         o_ref[...] = finish(accs[0], o_ref.dtype, up=accs[1] if gated else None)
 
 
-@functools.partial(jax.jit, static_argnames=("gated", "out_dtype", "block_k", "block_n", "num_warps", "num_stages",
-                                             "interpret"))
-def expert_matmul(x, w, block_expert, *, gated: bool = False, out_dtype=None, block_k: int | None = None,
-                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
-    """x [S, k] @ w[block's expert] -> [S, n] in out_dtype (default x's); see the module docstring.
-    block_k, block_n: the tiles (None: the largest powers of two up to DEFAULT_BLOCK_K and
-    DEFAULT_BLOCK_N that divide k and n); they fix the order of every sum, so they follow the
-    weights' shape, never the rows."""
+@functools.partial(jax.jit, static_argnames=("gated", "fmt", "w_nk", "out_dtype", "block_k", "block_n", "num_warps",
+                                             "num_stages", "interpret"))
+def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: str = "float", w_nk: bool = False,
+                  out_dtype=None, block_k: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                  num_stages: int = 3, interpret: bool = False):
+    """x [S, k] @ w[block's expert] (times scale[block's expert]) -> [S, n] in out_dtype (default
+    x's); see the module docstring. fmt: w as x's float dtype, int8, or fp8 e4m3fn bits (uint8;
+    pallas_kernels/matmul.py FORMATS), converted to x's dtype in registers as the matmul kernel
+    does. w_nk: w channels first, [E, n, k] or gated [E, 2, n, k] (8-bit experts are kept so).
+    scale: float32 per expert and output column, [E, n] or gated [E, 2, n] (None: unscaled),
+    applied to the float32 sums before the epilogue. block_k, block_n: the tiles (None: the
+    largest powers of two up to DEFAULT_BLOCK_K and DEFAULT_BLOCK_N that divide k and n); they
+    fix the order of every sum, so they follow the weights' shape, never the rows."""
+    if fmt not in FORMATS:
+        raise ValueError(f"expert_matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     s, k = x.shape
-    if w.ndim != (4 if gated else 3) or w.shape[1] != k or (gated and w.shape[2] != 2):
-        want = f"[E, k={k}, 2, n]" if gated else f"[E, k={k}, n]"
-        raise ValueError(f"expert_matmul w must be {want}; got {list(w.shape)}")
+    n = w.shape[-2] if w_nk else w.shape[-1]
+    pair = ["2"] if gated else []
+    want = ["E", *pair, "n", f"k={k}"] if w_nk else ["E", f"k={k}", *pair, "n"]
+    if w.ndim != len(want) or w.shape[want.index(f"k={k}")] != k or (gated and w.shape[want.index("2")] != 2):
+        raise ValueError(f"expert_matmul w must be [{', '.join(want)}]; got {list(w.shape)}")
     if s % BLOCK_M or block_expert.shape != (s // BLOCK_M,):
         raise ValueError(f"expert_matmul x must hold whole blocks of {BLOCK_M} rows, one block_expert each; got "
                          f"x {list(x.shape)}, block_expert {list(block_expert.shape)}")
-    if w.dtype != x.dtype:
-        raise ValueError(f"expert_matmul w must be x's dtype {x.dtype}; got {w.dtype}")
-    n = w.shape[-1]
+    expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
+    if w.dtype != expected:
+        what = "x's dtype" if fmt == "float" else f"for fmt {fmt!r}"
+        raise ValueError(f"expert_matmul w must be {what} {jnp.dtype(expected).name}; got {w.dtype}")
+    scale_shape = (w.shape[0], 2, n) if gated else (w.shape[0], n)
+    if scale is not None and scale.shape != scale_shape:
+        raise ValueError(f"expert_matmul scale must be [E, {'2, ' if gated else ''}n={n}] float32; got "
+                         f"{list(scale.shape)}")
     block_k = _largest_pow2_divisor(k, block_k or DEFAULT_BLOCK_K, "k")
     block_n = _largest_pow2_divisor(n, block_n or DEFAULT_BLOCK_N, "n")
-    whole = pl.BlockSpec(w.shape, lambda i, j: (0,) * w.ndim)  # indexed by each block's expert inside
-    return pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, gated=gated),
-        grid=(s // BLOCK_M, n // block_n),
-        in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j: (0,)),
-                  pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0)),
-                  whole],
-        out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((s, n), out_dtype or x.dtype),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="expert_matmul_gated" if gated else "expert_matmul",
-    )(block_expert, x, w)
+    scaled = scale is not None or fmt == "fp8"  # fp8's bit decode leaves a factor 2^8 to the scale
+    s32 = jnp.ones(scale_shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
+
+    def on(platform):
+        native = fmt == "fp8" and platform in NATIVE_FP8
+        kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native)
+
+        def call(block_expert, x, w, s32):
+            weights = (w, s32 * FP8_SHIFT if fmt == "fp8" and not native else s32) if scaled else (w,)
+            return pl.pallas_call(
+                kernel,
+                grid=(s // BLOCK_M, n // block_n),
+                in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j: (0,)),
+                          pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0))]
+                # the weights (and scales) whole, indexed by each block's expert inside
+                + [pl.BlockSpec(a.shape, lambda i, j, a=a: (0,) * a.ndim) for a in weights],
+                out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda i, j: (i, j)),
+                out_shape=jax.ShapeDtypeStruct((s, n), out_dtype or x.dtype),
+                compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                interpret=interpret,
+                name=("expert_matmul_gated" if gated else "expert_matmul") + ("" if fmt == "float" else f"_{fmt}"),
+            )(block_expert, x, *weights)
+        return call
+
+    operands = (block_expert, x, w, s32)
+    if interpret or fmt != "fp8":  # only fp8's conversion differs by platform (NATIVE_FP8)
+        return on("interpret" if interpret else "default")(*operands)
+    return lax.platform_dependent(*operands, default=on("default"), **{p: on(p) for p in NATIVE_FP8})
 
 
-def experts_mlp(h, experts, weights, gate_up, down, *, first_expert=0, interpret: bool = False, **tiles):
+def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
+                first_expert=0, interpret: bool = False, **tiles):
     """The experts of a mixture-of-experts MLP through expert_matmul: h [m, d] normed tokens,
     experts and weights [m, k] the router's choices (global expert ids) and their weights,
     gate_up [E, d, 2, f] and down [E, f, d] the experts held here, whose first is first_expert
-    (pairs routed elsewhere add nothing). -> [m, d] float32: each token's weighted expert
-    outputs, summed over its k choices in order (so the sum too is the token's alone). tiles:
-    expert_matmul's block_n, num_warps, num_stages (to measure them)."""
+    (pairs routed elsewhere add nothing). fmt "int8" / "fp8": 8-bit experts, channels first
+    (gate_up [E, 2, f, d], down [E, d, f]) with float32 scales gate_up_scale [E, 2, f] and
+    down_scale [E, d] (each expert's own, per output channel). -> [m, d] float32: each token's
+    weighted expert outputs, summed over its k choices in order (so the sum too is the token's
+    alone). tiles: expert_matmul's block_n, num_warps, num_stages (to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
     slot, block_expert = group_pairs((experts - first_expert).reshape(-1), e)
     rows = block_expert.shape[0] * BLOCK_M
     x = jnp.zeros((rows, h.shape[1]), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
-    act = expert_matmul(x, gate_up, block_expert, gated=True, interpret=interpret, **tiles)
-    out = expert_matmul(act, down, block_expert, out_dtype=jnp.float32, interpret=interpret, **tiles)
+    kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
+    act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, **kw)
+    out = expert_matmul(act, down, block_expert, down_scale, out_dtype=jnp.float32, **kw)
     pairs = jnp.take(out, slot, axis=0, mode="fill", fill_value=0) * weights.reshape(-1, 1)
     pairs = pairs.reshape(m, k, -1)
     total = pairs[:, 0]
     for j in range(1, k):  # in a fixed order
         total = total + pairs[:, j]
     return total
-
 
 
 def experts_mlp_reference(h, experts, weights, gate_up, down):

@@ -1,7 +1,7 @@
 """The grouped expert kernel (pallas_kernels/experts.py): the grouped layout against a direct
-count; the experts' MLP against a float32 reference in interpret mode on the CPU; a token's bits
-whatever the tokens beside it; experts split over devices adding up to the whole; clear errors;
-and ahead-of-time lowering for ROCm (gfx942) and CUDA (H200)."""
+count; the experts' MLP (float, int8 and fp8 experts) against a float32 reference in interpret
+mode on the CPU; a token's bits whatever the tokens beside it; experts split over devices adding
+up to the whole; clear errors; and ahead-of-time lowering for ROCm (gfx942) and CUDA (H200)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from jaxspec.model.quantize import dequantize, quantize
 from pallas_kernels.experts import expert_matmul, experts_mlp, experts_mlp_reference, group_pairs
 from pallas_kernels.matmul import BLOCK_M
 
@@ -50,6 +51,28 @@ def test_the_experts_mlp_matches_the_float32_reference(m, e, k):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+def eight_bit(gate_up, down, fmt):
+    """The experts in `fmt` as the engine keeps them (Quantized: channels first, each expert's
+    own per-channel scales), and the float32 weights they stand for."""
+    q = quantize(gate_up, 1, fmt, lead=1), quantize(down, 1, fmt, lead=1)
+    return q, tuple(dequantize(w) for w in q)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("m, e, k", [(1, 8, 2), (37, 4, 2)])
+def test_8bit_experts_match_the_float32_reference_of_their_dequantized_weights(fmt, m, e, k):
+    """Gated (gate/up) and plain (down) 8-bit kernels, scales in the epilogue, against the float32
+    reference on the weights they stand for; the matmul kernel's fused-epilogue tolerance."""
+    rng = np.random.default_rng(m * e + k + len(fmt))
+    h, experts, weights, gate_up, down = routed(rng, m, e, k, d=64, f=32)
+    (gu, dn), (gate_up, down) = eight_bit(gate_up, down, fmt)
+    assert gu.values.shape == (e, 2, 32, 64) and gu.scale.shape == (e, 2, 32) and dn.scale.shape == (e, 64)
+    got = experts_mlp(h, experts, weights, gu.values, dn.values, fmt=fmt, gate_up_scale=gu.scale,
+                      down_scale=dn.scale, interpret=True)
+    want = experts_mlp_reference(h, experts, weights, gate_up, down)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_bf16_experts_round_as_the_gated_mlp_does():
     """bf16 in, float32 sums: within bf16's rounding of the gate, up and product of the reference."""
     rng = np.random.default_rng(3)
@@ -59,12 +82,18 @@ def test_bf16_experts_round_as_the_gated_mlp_does():
     np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -6 * np.abs(want).max())
 
 
-def test_a_token_gives_the_same_bits_alone_and_among_others():
+@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
+def test_a_token_gives_the_same_bits_alone_and_among_others(fmt):
     rng = np.random.default_rng(5)
     h, experts, weights, gate_up, down = routed(rng, 24, 8, 2, d=64, f=32, dtype=jnp.bfloat16)
-    batch = np.asarray(experts_mlp(h, experts, weights, gate_up, down, interpret=True))
+    kw = dict(interpret=True)
+    if fmt != "float":
+        (gu, dn), _ = eight_bit(gate_up, down, fmt)
+        gate_up, down = gu.values, dn.values
+        kw |= dict(fmt=fmt, gate_up_scale=gu.scale, down_scale=dn.scale)
+    batch = np.asarray(experts_mlp(h, experts, weights, gate_up, down, **kw))
     for i in (0, 13, 23):
-        alone = np.asarray(experts_mlp(h[i:i + 1], experts[i:i + 1], weights[i:i + 1], gate_up, down, interpret=True))
+        alone = np.asarray(experts_mlp(h[i:i + 1], experts[i:i + 1], weights[i:i + 1], gate_up, down, **kw))
         assert np.array_equal(alone[0], batch[i])
 
 
@@ -85,6 +114,13 @@ def test_experts_split_over_devices_add_up_to_the_whole():
      r"w must be \[E, k=64, 2, n\]"),
     ((jnp.ones((20, 64)), jnp.ones((4, 64, 32)), jnp.zeros((1,), jnp.int32)), {}, "whole blocks of 16 rows"),
     ((jnp.ones((16, 64)), jnp.ones((4, 64, 32), jnp.bfloat16), jnp.zeros((1,), jnp.int32)), {}, "must be x's dtype"),
+    ((jnp.ones((16, 64)), jnp.ones((4, 32, 64), jnp.int8), jnp.zeros((1,), jnp.int32)), {"fmt": "fp8", "w_nk": True},
+     "w must be for fmt 'fp8' uint8; got int8"),
+    ((jnp.ones((16, 64)), jnp.ones((4, 64, 32), jnp.int8), jnp.zeros((1,), jnp.int32)), {"fmt": "int8", "w_nk": True},
+     r"w must be \[E, n, k=64\]"),
+    ((jnp.ones((16, 64)), jnp.ones((4, 2, 32, 64), jnp.int8), jnp.zeros((1,), jnp.int32), jnp.ones((4, 32))),
+     {"fmt": "int8", "w_nk": True, "gated": True}, r"scale must be \[E, 2, n=32\] float32; got \[4, 32\]"),
+    ((jnp.ones((16, 64)), jnp.ones((4, 64, 32)), jnp.zeros((1,), jnp.int32)), {"fmt": "int4"}, "fmt must be one of"),
 ])
 def test_bad_operands_are_refused_by_name(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -93,16 +129,24 @@ def test_bad_operands_are_refused_by_name(args, kwargs, message):
 
 @pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
 @pytest.mark.parametrize("gated", [True, False])
-def test_kernel_lowers_ahead_of_time(platform, device_kind, gated):
+@pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
+def test_kernel_lowers_ahead_of_time(platform, device_kind, gated, fmt):
     """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200, at
-    Qwen3-30B-A3B's expert shapes (d 2048, f 768, 128 experts; a verify pass of 4 tokens)."""
+    Qwen3-30B-A3B's expert shapes (d 2048, f 768, 128 experts; a verify pass of 4 tokens);
+    8-bit experts channels first with their scales."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
     blocks = 32 // BLOCK_M + 32
     k, n = (2048, 768) if gated else (768, 2048)
-    args = (jax.ShapeDtypeStruct((blocks * BLOCK_M, k), jnp.bfloat16),
-            jax.ShapeDtypeStruct((128, k, 2, n) if gated else (128, k, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((blocks,), jnp.int32))
+    pair = (2,) if gated else ()
+    if fmt == "float":
+        w, scale, kw = jax.ShapeDtypeStruct((128, k, *pair, n), jnp.bfloat16), None, {}
+    else:
+        w = jax.ShapeDtypeStruct((128, *pair, n, k), {"int8": jnp.int8, "fp8": jnp.uint8}[fmt])
+        scale, kw = jax.ShapeDtypeStruct((128, *pair, n), jnp.float32), dict(fmt=fmt, w_nk=True)
+    args = (jax.ShapeDtypeStruct((blocks * BLOCK_M, k), jnp.bfloat16), w, jax.ShapeDtypeStruct((blocks,), jnp.int32),
+            scale)
     with use_abstract_mesh(mesh):
-        lowered = expert_matmul.trace(*args, gated=gated).lower(lowering_platforms=(platform,))
+        lowered = expert_matmul.trace(*args, gated=gated, **kw).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
-    assert "__gpu$xla.gpu.triton" in text and ("expert_matmul_gated" if gated else "expert_matmul") in text
+    name = ("expert_matmul_gated" if gated else "expert_matmul") + ("" if fmt == "float" else f"_{fmt}")
+    assert "__gpu$xla.gpu.triton" in text and name in text

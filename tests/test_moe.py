@@ -1,7 +1,9 @@
 """Mixture-of-experts targets (issue 51, first step): Qwen3-MoE and Mixtral load from HF folders
 and converted checkpoints (logits against transformers: tests/test_hf_numerics.py runs both
-families), and every drafter stays lossless on them: greedy output equals plain decoding's."""
+families), and every drafter stays lossless on them: greedy output equals plain decoding's.
+8-bit experts compute what their dequantized weights say on every expert path."""
 
+import dataclasses
 import shutil
 
 import jax
@@ -12,7 +14,9 @@ from tiny_models import TINY, build_tiny_hf, save_tiny
 
 import jaxspec
 import jaxspec.model.forward as forward
-from jaxspec.model.checkpoint import convert_hf_checkpoint
+from jaxspec.model.checkpoint import convert_hf_checkpoint, read_checkpoint
+from jaxspec.model.config import load_config
+from jaxspec.model.quantize import Quantized, dequantize
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 PROMPTS = [[5, 9, 33, 7], list(range(3, 40)), [100] * 19]
@@ -78,10 +82,74 @@ def test_a_converted_checkpoint_gives_the_folders_logits(moe, tmp_path):
     np.testing.assert_array_equal(engine_logits(converted, tokens), engine_logits(target, tokens))
 
 
+def _experts_dequantized(model):
+    """The same model with its 8-bit experts replaced by the float32 weights they stand for."""
+    layers = model.weights.layers  # stacked on the CPU
+    layers = layers.replace(**{name: dequantize(getattr(layers, name), stacked=True)
+                               for name in ("experts_gate_up", "experts_down")})
+    return dataclasses.replace(model, weights=model.weights.replace(layers=layers))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_8bit_experts_compute_what_their_dequantized_weights_say_on_every_path(moe, scheme):
+    """quantize= puts each expert in 8 bits with its own per-channel scales (the router stays in
+    the model's dtype); teacher-forced logits of 2 x 12 tokens through the grouped kernel
+    (interpret mode), the gathered pairs and ragged_dot, each within the 8-bit tests' tolerance
+    of the model with its experts dequantized to float32."""
+    _, _, folder = moe
+    model = jaxspec.load(folder, dtype="float32", quantize=scheme)
+    gate_up = model.weights.layers.experts_gate_up
+    assert isinstance(gate_up, Quantized) and gate_up.fmt == scheme and not isinstance(model.weights.layers.router,
+                                                                                        Quantized)
+    c = model.config
+    assert gate_up.scale.shape == (c.num_layers, c.num_experts, 2, c.moe_intermediate_size)
+    assert model.weights.layers.experts_down.scale.shape == (c.num_layers, c.num_experts, c.hidden_size)
+    tokens = np.random.default_rng(3).integers(0, c.vocab_size, (2, 12))
+    want = engine_logits(_experts_dequantized(model), tokens)
+    for path in forward.EXPERT_PATHS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(forward, "FORCED_EXPERT_PATH", path)
+            jax.clear_caches()
+            got = engine_logits(model, tokens)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()), err_msg=path)
+    jax.clear_caches()
+
+
+def test_an_8bit_moe_converts_loads_back_the_same_and_speculates_losslessly(moe, tmp_path):
+    """convert --quantize stores each expert's 8-bit values with its scales; the checkpoint loads
+    back the weights quantize= gives; greedy n-gram speculation gives plain decoding's tokens."""
+    target, _, folder = moe
+    scheme = "int8" if target.config.model_type == "qwen3_moe" else "fp8"
+    out = convert_hf_checkpoint(folder, tmp_path / "ckpt", quantize=scheme)
+    stored = read_checkpoint(out, load_config(out))
+    assert stored["layers.e_gate0"].dtype == {"int8": np.int8, "fp8": np.uint8}[scheme]
+    assert stored["layers.e_down3.scale"].shape == (target.config.num_layers, target.config.hidden_size)
+    converted, loaded = jaxspec.load(out, dtype="float32"), jaxspec.load(folder, dtype="float32", quantize=scheme)
+    assert converted.quantize == scheme
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                                            converted.weights, loaded.weights)))
+    plain = [o.token_ids for o in jaxspec.generate(PROMPTS, converted, max_new_tokens=16)]
+    ngram = jaxspec.generate(PROMPTS, converted, "ngram", num_draft_tokens=3, max_new_tokens=16,
+                             warn_below_acceptance=0.0)
+    assert [o.token_ids for o in ngram] == plain
+
+
+def test_a_published_per_channel_fp8_moe_checkpoint_computes_what_its_dequantized_weights_say(tmp_path):
+    """A Qwen3-MoE folder in FP8 as published for vLLM (each expert's projections with their
+    per-channel weight_scale) keeps its bits: logits as the same weights dequantized by torch."""
+    from test_quantize import fp8_folder
+
+    kind, overrides = TINY["qwen3_moe"]
+    folder = fp8_folder(tmp_path, per_channel=True, source=save_tiny(tmp_path / "src", kind, overrides, seed=1))
+    model = jaxspec.load(folder, dtype="float32")
+    assert model.quantize == "fp8" and isinstance(model.weights.layers.experts_down, Quantized)
+    tokens = np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 12))
+    want = engine_logits(jaxspec.load(folder.with_name(folder.name + "-dequantized"), dtype="float32"), tokens)
+    np.testing.assert_allclose(engine_logits(model, tokens), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
 def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
     target, _, folder = moe
-    with pytest.raises(jaxspec.InputError, match="no 8-bit path yet"):
-        jaxspec.load(folder, quantize="int8")
     kind, overrides = TINY[target.config.model_type]
     key = "num_local_experts" if kind == "mixtral" else "num_experts"
     too_many = save_tiny(tmp_path / "topk", kind, {**overrides, key: 2, "num_experts_per_tok": 3})

@@ -182,19 +182,20 @@ def test_a_checkpoint_whose_scales_do_not_fit_its_weights_is_refused(tmp_path):
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fp8_folder(tmp_path, per_channel: bool, method: str = "fp8"):
-    """The embedded draft as an FP8 checkpoint as published for vLLM: every layer projection in
-    float8_e4m3fn with a weight_scale (per output channel [out, 1], or one per tensor) and an
-    input_scale; lm_head left in bf16, as exporters leave it."""
+def fp8_folder(tmp_path, per_channel: bool, method: str = "fp8", source=HF / "code-draft-4m"):
+    """The embedded draft (or the HF folder `source`) as an FP8 checkpoint as published for vLLM:
+    every layer projection (a Qwen3-MoE's experts too) in float8_e4m3fn with a weight_scale (per
+    output channel [out, 1], or one per tensor) and an input_scale; lm_head left in bf16, as
+    exporters leave it."""
     import shutil
 
     import safetensors.torch
     import torch
 
     out = tmp_path / f"fp8-{method}-{'channel' if per_channel else 'tensor'}"
-    shutil.copytree(HF / "code-draft-4m", out, ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
     shutil.copytree(out, out.with_name(out.name + "-dequantized"))
-    tensors = safetensors.torch.load_file(HF / "code-draft-4m" / "model.safetensors")
+    tensors = safetensors.torch.load_file(source / "model.safetensors")
     dequantized = {n: t.float() for n, t in tensors.items()}
     for name in [n for n in tensors if any(p in n for p in PROJECTIONS)]:
         w = tensors[name].float()

@@ -149,6 +149,24 @@ def test_tiny_models_split_two_and_four_ways(tiny_dirs, name):
         assert _shard_shape(split.weights.embed)[0] == whole.config.vocab_size // (tp if vocab_split else 1)
 
 
+def test_8bit_experts_split_two_ways_decode_their_whole_tokens(tiny_dirs, tmp_path):
+    """Each expert's 8-bit values split by ffn columns as its float ones are, the gate/up scales
+    with their columns, the down scales whole; a converted int8 checkpoint restores straight into
+    the same 2 shards."""
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    whole = jaxspec.load(tiny_dirs["mixtral"], dtype="float32", quantize="int8")
+    split = jaxspec.load(tiny_dirs["mixtral"], dtype="float32", quantize="int8", tensor_parallel=2)
+    converted = convert_hf_checkpoint(tiny_dirs["mixtral"], tmp_path / "int8", quantize="int8")
+    restored = jaxspec.load(converted, dtype="float32", tensor_parallel=2)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), restored.weights, split.weights)))
+    gate_up, down = split.weights.layers.experts_gate_up, split.weights.layers.experts_down
+    f = whole.config.moe_intermediate_size
+    assert _shard_shape(gate_up.values)[3] == _shard_shape(gate_up.scale)[3] == f // 2  # [L, E, 2, f, d], [L, E, 2, f]
+    assert _shard_shape(down.values)[3] == f // 2 and _shard_shape(down.scale) == down.scale.shape  # [L, E, d, f]
+    kw = dict(max_new_tokens=24)
+    assert _tokens(jaxspec.generate(prompts, split, **kw)) == _tokens(jaxspec.generate(prompts, whole, **kw))
+
+
 def test_gpu_layout_and_pallas_kernel_per_shard(tiny_dirs):
     """The accelerators' layout (layers unrolled, gate/up fused), speculative with the fused
     Pallas kernel running on each shard (interpret mode), against the whole model."""

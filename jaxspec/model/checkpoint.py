@@ -18,11 +18,11 @@ from jaxspec.errors import CheckpointError
 from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.eagle import convert_eagle, is_eagle3
 from jaxspec.model.quantize import (
-    CHECKPOINT_CONTRACTED,
     SCALE,
     STORED_DTYPES,
     block_grid,
     check_scheme,
+    checkpoint_contracted,
     dequantize_blocks,
     quantize_checkpoint,
 )
@@ -146,7 +146,7 @@ def _fp8_scales(found: dict, expected: dict, blocks: tuple | None) -> dict:
     scales = {}
     for name, (spec, layer) in expected.items():
         base = name.removesuffix(".weight")
-        if (spec.transpose if blocks else spec.field in CHECKPOINT_CONTRACTED) and base + suffix in found:
+        if (spec.transpose if blocks else checkpoint_contracted(spec.field)) and base + suffix in found:
             scales[base + suffix] = (spec, layer)
     return scales
 
@@ -214,7 +214,7 @@ def open_hf(hf_dir: str | Path, config: ModelConfig, framework: str = "numpy") -
 def channel_scales(scale: np.ndarray, spec: ParamSpec) -> np.ndarray:
     """An fp8 projection's weight_scale (per tensor or per output channel) as one float32 scale
     per output channel, in the engine's output axes (spec.shape past the contracted ones)."""
-    out_shape = spec.shape[CHECKPOINT_CONTRACTED[spec.field]:]
+    out_shape = spec.shape[checkpoint_contracted(spec.field):]
     flat = np.asarray(scale, np.float32).reshape(-1)
     return np.broadcast_to(flat, (int(np.prod(out_shape)),)).reshape(out_shape)
 
@@ -249,7 +249,7 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None, project
         if field not in fields:
             shape = ((config.num_layers,) if layer is not None else ()) + arr.shape
             keep = arr.dtype == np.uint8 or field.endswith(SCALE) or dtype is None
-            want = projections if projections is not None and field in CHECKPOINT_CONTRACTED else dtype
+            want = projections if projections is not None and checkpoint_contracted(field) else dtype
             fields[field] = np.empty(shape, arr.dtype if keep else np.dtype(want))
         if layer is None:
             fields[field][...] = arr
@@ -267,7 +267,7 @@ def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None, quantiz
     where = lambda name: None if shardings is None else shardings[name]  # noqa: E731
     for spec in param_specs(config):
         lead = (config.num_layers,) if spec.per_layer else ()
-        contract = CHECKPOINT_CONTRACTED.get(spec.field) if spec.field in quantized else None
+        contract = checkpoint_contracted(spec.field) if spec.field in quantized else None
         stored = STORED_DTYPES[quantize] if contract else np.dtype(dtype)
         out[spec.field] = jax.ShapeDtypeStruct(lead + spec.shape, stored, sharding=where(spec.field))
         if contract:
@@ -291,7 +291,7 @@ def write_checkpoint(fields: dict[str, np.ndarray], source_dir: str | Path, out_
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    quantized = [name for name in CHECKPOINT_CONTRACTED if name + SCALE in fields]
+    quantized = [name for name in fields if checkpoint_contracted(name) and name + SCALE in fields]
     eight_bit = set(quantized) | {name + SCALE for name in quantized}
     dtypes = {str(a.dtype) for name, a in fields.items() if name not in eight_bit}
     if len(dtypes) != 1:
@@ -372,7 +372,7 @@ def stored_quantization(path: str | Path) -> tuple[str | None, tuple[str, ...]]:
     scheme, fields = marker.get("quantize"), tuple(marker.get("quantized", ()))
     if scheme is not None and scheme not in STORED_DTYPES:
         raise CheckpointError(f"{Path(path) / MARKER}: quantize {scheme!r} is not one of {', '.join(STORED_DTYPES)}")
-    if not set(fields) <= set(CHECKPOINT_CONTRACTED):
+    if not all(checkpoint_contracted(f) for f in fields):
         raise CheckpointError(f"{Path(path) / MARKER}: quantized fields {sorted(fields)} are not all projections")
     return scheme, fields
 
@@ -403,9 +403,6 @@ def convert_hf_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str | 
                                   f"floating point (their step reads a fifth of a 1B draft's bytes)")
         return convert_eagle(hf_dir, out_dir, dtype)
     config = load_config(hf_dir)
-    if config.is_moe and quantize:
-        raise CheckpointError(f"{hf_dir} is a mixture of experts ({config.model_type}), whose experts have no 8-bit "
-                              "path yet: convert it without --quantize")
     stored = hf_quantization(hf_dir)
     if stored and quantize and quantize != stored:
         raise CheckpointError(f"{hf_dir} stores its projections in {stored}: convert it with --quantize {stored} or none")

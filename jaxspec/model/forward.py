@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 from jaxspec.errors import InputError
 from jaxspec.model.cache import KVCache, cache_specs
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.quantize import Quantized, stored_values
+from jaxspec.model.quantize import Quantized, stored_values, to_weight_layout
 from jaxspec.model.rope import apply_rope, inverse_frequencies, rope_tables
 from jaxspec.model.sharding import TP, local_config
 from jaxspec.model.weights import LayerWeights, Weights, weight_specs
@@ -458,13 +458,50 @@ def _router_logits(h, router, deterministic):
     return _kernel_project("btd,de->bte", h, padded, jnp.float32, deterministic.split_k)[..., :e]
 
 
+def _expert_kernel_args(gate_up, down) -> dict:
+    """experts_mlp's weight arguments: float experts as they are; 8-bit ones (Quantized) as their
+    channels-first values with their scales."""
+    if not isinstance(gate_up, Quantized):
+        return dict(gate_up=gate_up, down=down)
+    return dict(gate_up=gate_up.values, down=down.values, fmt=gate_up.fmt, gate_up_scale=gate_up.scale,
+                down_scale=down.scale)
+
+
+def _gathered_product(spec: str, x, w, experts):
+    """einsum(spec, x, each (token, expert) pair's weights w[experts]) -> float32. 8-bit experts:
+    the gathered values converted to x's dtype (exact) in the weight's layout, each pair's scales
+    applied to the float32 sums (they factor out of the sums over the contracted axis)."""
+    if not isinstance(w, Quantized):
+        return jnp.einsum(spec, x, w[experts], preferred_element_type=jnp.float32)
+    values = stored_values(w.replace(values=w.values[experts])).astype(x.dtype)
+    values = to_weight_layout(values, w.contract, experts.ndim)
+    return jnp.einsum(spec, x, values, preferred_element_type=jnp.float32) * w.scale[experts]
+
+
+def _grouped_product(x, w, sizes, rows_expert):
+    """ragged_dot of x [P, k] (rows grouped by expert, sizes [E] of them) with every expert's
+    [E, k, n] -> float32 [P, n]. 8-bit experts: all of them converted to x's dtype (exact) and
+    back to the weight layout, then each row's sums times its expert's scales (rows_expert [P]).
+    The conversion writes every expert in x's dtype once per call, twice the 8-bit bytes beside
+    the weights' own read; this path runs prefills (many tokens, most experts chosen), where
+    that cost is shared by the tokens."""
+    if not isinstance(w, Quantized):  # (gate/up's [E, d, 2, f] as [E, d, 2f])
+        return jax.lax.ragged_dot(x, w.reshape(w.shape[0], x.shape[1], -1), sizes, preferred_element_type=jnp.float32)
+    e, k = w.values.shape[0], w.values.shape[-1]
+    values = to_weight_layout(stored_values(w).astype(x.dtype), w.contract, w.lead).reshape(e, k, -1)
+    out = jax.lax.ragged_dot(x, values, sizes, preferred_element_type=jnp.float32)
+    return out * w.scale.reshape(e, -1)[rows_expert]
+
+
 def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm, residual):
     """A mixture-of-experts MLP (Qwen3-MoE's and Mixtral's): the softmax router's top
     experts_per_token experts per token (renormalized when norm_topk_prob), each a SwiGLU, their
     outputs weighted and summed per token, by the path expert_path picks: the grouped expert
     kernel; each pair's expert weights gathered and applied; or the pairs sorted by expert and
     run as grouped matmuls (jax.lax.ragged_dot). Under tensor parallelism the experts' ffn
-    columns are split: the down products are summed over `axis`.
+    columns are split: the down products are summed over `axis`. 8-bit experts (Quantized: each
+    expert's own per-channel scales) take every path: their values become the activations'
+    dtype exactly and the scales multiply the float32 sums, as in the dense projections.
     x [b, t, d] -> (x + the MLP's output, the experts each token chose [b, t, k])."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
@@ -474,28 +511,28 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     pairs = b * t * k
-    expert_bytes = w.experts_gate_up[0].nbytes + w.experts_down[0].nbytes
+    leaves = jax.tree.leaves((w.experts_gate_up, w.experts_down))  # (8-bit: values and scales)
+    expert_bytes = sum(a.nbytes for a in leaves) // leaves[0].shape[0]
     path = expert_path(b * t, pairs, expert_bytes, deterministic)
     if path == "kernel":
-        y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k), w.experts_gate_up,
-                        w.experts_down, interpret=_interpret())
+        y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k),
+                        **_expert_kernel_args(w.experts_gate_up, w.experts_down), interpret=_interpret())
         y = y.astype(x.dtype).reshape(b, t, d)
     elif path == "gather":
-        gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[experts],
-                             preferred_element_type=jnp.float32).astype(x.dtype)
+        gate_up = _gathered_product("btd,btkdcf->btkcf", h, w.experts_gate_up, experts).astype(x.dtype)
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-        out = jnp.einsum("btkf,btkfd->btkd", act, w.experts_down[experts], preferred_element_type=jnp.float32)
+        out = _gathered_product("btkf,btkfd->btkd", act, w.experts_down, experts)
         y = jnp.sum(out * weights[..., None], axis=2).astype(x.dtype)
     else:
         order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
         token = order // k
+        rows_expert = experts.reshape(-1)[order]
         sizes = jnp.bincount(experts.reshape(-1), length=e)
         xs = h.reshape(b * t, d)[token]
-        f = w.experts_down.shape[1]
-        gate_up = jax.lax.ragged_dot(xs, w.experts_gate_up.reshape(e, d, 2 * f), sizes,
-                                     preferred_element_type=jnp.float32).astype(x.dtype)
+        gate_up = _grouped_product(xs, w.experts_gate_up, sizes, rows_expert).astype(x.dtype)
+        f = gate_up.shape[1] // 2
         act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
-        out = jax.lax.ragged_dot(act, w.experts_down, sizes, preferred_element_type=jnp.float32)
+        out = _grouped_product(act, w.experts_down, sizes, rows_expert)
         out = out * weights.reshape(-1)[order][:, None]
         y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
     return residual + _total(axis, deterministic)(y), experts

@@ -23,8 +23,8 @@ from jaxspec.model.safetensors_files import read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
 from jaxspec.model.quantize import (
-    CHECKPOINT_CONTRACTED,
     as_quantized,
+    checkpoint_contracted,
     dequantize_blocks,
     expand_block_scales,
     quantize_in_weight_layout,
@@ -81,15 +81,15 @@ def _to_engine(raw: dict, scales: dict, grids: dict, *, layout: tuple, blocks: t
     out = {name: (raw[name].T if transpose else raw[name]).reshape(shape) for name, transpose, shape in layout}
     fmt = "fp8"
     if requantize:  # every projection, from float32 (dequantized, or as stored): its one rounding
-        key = lambda n: n if config is None else "layers." + n  # noqa: E731 (CHECKPOINT_CONTRACTED's name)
-        quantized = {n: quantize_in_weight_layout(a.astype(jnp.float32), CHECKPOINT_CONTRACTED[key(n)], requantize)
-                     for n, a in out.items() if key(n) in CHECKPOINT_CONTRACTED}
+        key = lambda n: n if config is None else "layers." + n  # noqa: E731 (checkpoint_contracted's name)
+        quantized = {n: quantize_in_weight_layout(a.astype(jnp.float32), checkpoint_contracted(key(n)), requantize)
+                     for n, a in out.items() if checkpoint_contracted(key(n))}
         out |= {n: values for n, (values, _) in quantized.items()}
         scales, fmt = {n: scale for n, (_, scale) in quantized.items()}, requantize
     out = {name: a if name in scales else a.astype(dtype) for name, a in out.items()}
     if config is not None:
         return fuse_quantized_layer(config, out, scales, mlp, fmt)
-    return out | {name: as_quantized(out[name], s, fmt, CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
+    return out | {name: as_quantized(out[name], s, fmt, checkpoint_contracted(name)) for name, s in scales.items()}
 
 
 def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool, block: tuple | None,
@@ -104,7 +104,7 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool,
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
         tensor = read_tensor(name, path, handle)
         if name.endswith(WEIGHT_SCALE):
-            out_axes = p.axes[CHECKPOINT_CONTRACTED[p.field]:] if p.axes else ()
+            out_axes = p.axes[checkpoint_contracted(p.field):] if p.axes else ()
             scales[field] = put(channel_scales(tensor, p), named(mesh, spec(split_axes(out_axes, config, tp))))
             continue
         split = split_axes(hf_axes(p), config, tp) if tp > 1 else (None,) * len(p.hf_shape)

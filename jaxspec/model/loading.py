@@ -99,9 +99,9 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     tensor_parallel: split the model over this many devices (the first N of jax.devices(), over
     all hosts under jax.distributed), by heads, ffn columns and vocabulary (jaxspec.model.sharding).
     A converted checkpoint is restored straight into each device's shards.
-    quantize: "int8" or "fp8" (e4m3fn): the projections in 8 bits with a float32 scale per output
-    channel, embeddings and norms in `dtype` (jaxspec.model.quantize); decode steps then read
-    about half the bytes.
+    quantize: "int8" or "fp8" (e4m3fn): the projections (a mixture of experts' experts too) in 8
+    bits with a float32 scale per output channel, embeddings, norms and routers in `dtype`
+    (jaxspec.model.quantize); decode steps then read about half the bytes.
     """
     check_scheme(quantize)
     path, name = model_folder(path)
@@ -117,9 +117,6 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
                              "quantize=None) and drafts for a target that may be split or quantized")
         return load_eagle(path, dtype)
     config = load_config(path)
-    if config.is_moe and quantize is not None:
-        raise InputError(f"quantize {quantize!r}: {path.name} is a mixture of experts ({config.model_type}), whose "
-                         "experts have no 8-bit path yet; load it with quantize=None")
     tp = check_tensor_parallel(config, tensor_parallel, path.name)
     mesh = make_mesh(tp) if tp > 1 else None
     converted = is_converted(path)

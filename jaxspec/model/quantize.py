@@ -1,6 +1,6 @@
-"""8-bit weights: the projections (q/k/v, o, gate/up, down and an untied lm_head) stored as int8 or
-fp8 e4m3fn with one float32 scale per output channel; embeddings and norms stay in the model's
-dtype. A decode step reads every weight once, so 8 bits per weight halve what it reads; the
+"""8-bit weights: the projections (q/k/v, o, gate/up, down, a mixture-of-experts layer's experts
+and an untied lm_head) stored as int8 or fp8 e4m3fn with one float32 scale per output channel
+(each expert its own); embeddings, norms and routers stay in the model's dtype. A decode step reads every weight once, so 8 bits per weight halve what it reads; the
 matmul kernel (pallas_kernels/matmul.py) converts them in registers.
 
 fp8 is e4m3fn on every backend, kept as its uint8 bits: the kernel decodes them with integer
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,26 @@ from jaxspec.errors import InputError
 SCHEMES = ("int8", "fp8")
 LIMITS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each stores
 # Projections and how many leading axes of each the matmul sums over (their inputs' trailing axes).
-CONTRACTED = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1}
+CONTRACTED = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "lm_head": 1, "experts_gate_up": 1,
+              "experts_down": 1}
+# Projections with leading axes before the contracted ones (past a stacked layer axis): the expert
+# axis of an MoE layer's [E, d, 2, f] and [E, f, d], each expert with its own scales.
+LEAD = {"experts_gate_up": 1, "experts_down": 1}
 # The same projections in a converted checkpoint's layout (model.weights.param_specs), whose scales
 # are stored beside them under the field's name + SCALE; per-channel scales survive the fusing of
-# q/k/v and gate/up (it only concatenates output channels).
+# q/k/v, gate/up and the experts (it only concatenates and stacks output channels). An expert's
+# fields carry its number (layers.e_gate0, ...): checkpoint_contracted finds them.
 CHECKPOINT_CONTRACTED = {"layers.wq": 1, "layers.wk": 1, "layers.wv": 1, "layers.wo": 2, "layers.w_gate": 1,
-                         "layers.w_up": 1, "layers.w_down": 1, "lm_head": 1}
+                         "layers.w_up": 1, "layers.w_down": 1, "lm_head": 1, "layers.e_gate": 1, "layers.e_up": 1,
+                         "layers.e_down": 1}
 SCALE = ".scale"
 STORED_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(np.uint8)}  # fp8: e4m3fn bits
+
+
+def checkpoint_contracted(field: str) -> int | None:
+    """How many leading axes of a checkpoint field (layers stacked) the matmul sums over; None for
+    a field that is no projection (embeddings, norms, routers, biases)."""
+    return CHECKPOINT_CONTRACTED.get(re.sub(r"^(layers\.e_(?:gate|up|down))\d+$", r"\1", field))
 
 
 @struct.dataclass
@@ -41,12 +54,15 @@ class Quantized:
     values hold its transpose, [output axes..., contracted axes...], int8 or fp8 e4m3fn bits
     (uint8): each output channel's weights are contiguous, as in Hugging Face's files, which the
     matmul kernel reads a quarter faster at decode rows than the weight's own layout (H200,
-    scripts/gpu_probes/matmul_sweep.py). scale: [output axes...] float32. Stacked layers lead both."""
+    scripts/gpu_probes/matmul_sweep.py). scale: [output axes...] float32. Stacked layers lead both,
+    then the `lead` axes (LEAD: an MoE layer's experts, [E, d, 2, f] -> values [E, 2, f, d],
+    scale [E, 2, f]), which stay in front."""
 
     values: jnp.ndarray
     scale: jnp.ndarray
     fmt: str = struct.field(pytree_node=False)  # "int8" or "fp8"
     contract: int = struct.field(pytree_node=False)
+    lead: int = struct.field(pytree_node=False, default=0)
 
 
 def to_channels_first(w: jnp.ndarray, contract: int, lead: int = 0) -> jnp.ndarray:
@@ -67,19 +83,20 @@ def check_scheme(scheme: str | None, field: str = "quantize") -> str | None:
     return scheme
 
 
-@functools.partial(jax.jit, static_argnames=("contract", "fmt", "stacked"))
-def quantize(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False) -> Quantized:
+@functools.partial(jax.jit, static_argnames=("contract", "fmt", "stacked", "lead"))
+def quantize(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False, lead: int = 0) -> Quantized:
     """w in `fmt` with symmetric per-output-channel scales (the largest magnitude over the
-    `contract` leading axes maps to the format's largest value), on w's devices. stacked: w has a
-    leading layer axis first, which keeps its own scales."""
-    values, scale = quantize_in_weight_layout(w, contract, fmt, stacked)
-    return Quantized(to_channels_first(values, contract, int(stacked)), scale, fmt, contract)
+    `contract` axes maps to the format's largest value), on w's devices. stacked: w has a leading
+    layer axis first, which keeps its own scales; lead: as many axes more before the contracted
+    ones, alike (Quantized.lead)."""
+    values, scale = quantize_in_weight_layout(w, contract, fmt, stacked, lead)
+    return Quantized(to_channels_first(values, contract, int(stacked) + lead), scale, fmt, contract, lead)
 
 
-@functools.partial(jax.jit, static_argnames=("contract", "fmt", "stacked"))
-def quantize_in_weight_layout(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False):
+@functools.partial(jax.jit, static_argnames=("contract", "fmt", "stacked", "lead"))
+def quantize_in_weight_layout(w: jnp.ndarray, contract: int, fmt: str, stacked: bool = False, lead: int = 0):
     """quantize's (values in w's own layout, scales): a converted checkpoint's layout."""
-    lead = 1 if stacked else 0
+    lead += 1 if stacked else 0
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=tuple(range(lead, lead + contract)), keepdims=True)
     scale = jnp.where(amax > 0, amax / LIMITS[fmt], 1.0)
@@ -98,7 +115,8 @@ def stored_values(q: Quantized) -> jnp.ndarray:
 def dequantize(q: Quantized, dtype=jnp.float32, stacked: bool = False) -> jnp.ndarray:
     """The weight q stands for, in its own layout and `dtype`."""
     scale = jnp.expand_dims(q.scale, tuple(range(q.scale.ndim, q.values.ndim)))  # over the contracted axes
-    return to_weight_layout((stored_values(q).astype(jnp.float32) * scale).astype(dtype), q.contract, int(stacked))
+    return to_weight_layout((stored_values(q).astype(jnp.float32) * scale).astype(dtype), q.contract,
+                            int(stacked) + q.lead)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "stacked"))
@@ -110,7 +128,7 @@ def quantize_layer(layer, fmt: str, stacked: bool):
             return w
         if isinstance(w, tuple):
             return tuple(quantize(part, CONTRACTED[name], fmt, stacked) for part in w)
-        return quantize(w, CONTRACTED[name], fmt, stacked)
+        return quantize(w, CONTRACTED[name], fmt, stacked, LEAD.get(name, 0))
     return layer.replace(**{f.name: one(f.name, getattr(layer, f.name)) for f in dataclasses.fields(layer)})
 
 
@@ -118,10 +136,10 @@ def quantize_checkpoint(fields: dict, fmt: str) -> dict:
     """Checkpoint-layout host fields (layers stacked) with the projections in `fmt`: the 8-bit
     values under each field's name, float32 scales under name + SCALE; a layer at a time."""
     out = dict(fields)
-    for name, contract in CHECKPOINT_CONTRACTED.items():
-        if name not in fields:
+    for name, w in fields.items():
+        contract = checkpoint_contracted(name)
+        if contract is None:
             continue
-        w = fields[name]
         if name.startswith("layers."):  # a layer at a time: never a float32 copy of a whole field
             parts = [quantize_in_weight_layout(w[i], contract, fmt) for i in range(len(w))]
             out[name] = np.stack([np.asarray(values) for values, _ in parts])
@@ -157,12 +175,12 @@ def dequantize_blocks(values, scale_inv, block: tuple):
     return values.astype(np.float32) * expand_block_scales(scale_inv.astype(np.float32), values.shape, block)
 
 
-def as_quantized(values, scale, fmt: str, contract: int, scale_has_contracted_axes: bool = False):
+def as_quantized(values, scale, fmt: str, contract: int, scale_has_contracted_axes: bool = False, lead: int = 0):
     """Quantized from values in the weight's layout and their scales (a pair of each for the CPU's
     separate gate/up); scale_has_contracted_axes: the scales still carry the contracted axes as
-    size-1 ones."""
+    size-1 ones. lead: Quantized.lead."""
     if isinstance(values, tuple):
-        return tuple(as_quantized(v, s, fmt, contract, scale_has_contracted_axes) for v, s in zip(values, scale))
+        return tuple(as_quantized(v, s, fmt, contract, scale_has_contracted_axes, lead) for v, s in zip(values, scale))
     if scale_has_contracted_axes:
-        scale = jnp.squeeze(scale, tuple(range(contract)))
-    return Quantized(to_channels_first(values, contract), scale, fmt, contract)
+        scale = jnp.squeeze(scale, tuple(range(lead, lead + contract)))
+    return Quantized(to_channels_first(values, contract, lead), scale, fmt, contract, lead)

@@ -15,12 +15,13 @@ from jax.sharding import Mesh
 from jaxspec.model import layout
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.quantize import (
-    CHECKPOINT_CONTRACTED,
     CONTRACTED,
+    LEAD,
     SCALE,
     Quantized,
     as_quantized,
     check_scheme,
+    checkpoint_contracted,
     quantize,
     quantize_layer,
 )
@@ -99,9 +100,9 @@ def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
 
     def spec_of(value, axes, stacked: bool):
         if isinstance(value, Quantized):  # values channels first; the scales keep the output axes
-            out_axes = axes[value.contract :]
-            return value.replace(values=spec(split(out_axes + axes[: value.contract]), stacked),
-                                 scale=spec(split(out_axes), stacked))
+            lead, contracted, out_axes = value.lead, value.contract, axes[value.lead + value.contract :]
+            return value.replace(values=spec(split(axes[:lead] + out_axes + axes[lead : lead + contracted]), stacked),
+                                 scale=spec(split(axes[:lead] + out_axes), stacked))
         return spec(split(axes), stacked)
 
     def layer_specs(layer: LayerWeights) -> LayerWeights:
@@ -238,7 +239,7 @@ def field_shardings(config: ModelConfig, mesh: Mesh | None, quantized=()) -> dic
     for p in param_specs(config):
         axes = p.axes or (None,) * len(p.shape)
         out[p.field] = named(mesh, spec(split_axes(axes, config, tp), p.per_layer))
-        contract = CHECKPOINT_CONTRACTED.get(p.field) if p.field in quantized else None
+        contract = checkpoint_contracted(p.field) if p.field in quantized else None
         if contract:
             out[p.field + SCALE] = named(mesh, spec(split_axes(axes[contract:], config, tp), p.per_layer))
     return out
@@ -328,9 +329,10 @@ def fuse_quantized_layer(config: ModelConfig, fields: dict, scales: dict, mlp: b
     out = fuse_layer(config, fields, mlp)
     if not scales:
         return out
-    contract = lambda n: CHECKPOINT_CONTRACTED["layers." + n]  # noqa: E731
+    contract = lambda n: checkpoint_contracted("layers." + n)  # noqa: E731
     fused = fuse_layer(config, {n: jnp.expand_dims(s, tuple(range(contract(n)))) for n, s in scales.items()}, mlp)
-    return out | {name: as_quantized(out[name], s, fmt, CONTRACTED[name], scale_has_contracted_axes=True)
+    return out | {name: as_quantized(out[name], s, fmt, CONTRACTED[name], scale_has_contracted_axes=True,
+                                     lead=LEAD.get(name, 0))
                   for name, s in fused.items()}
 
 
