@@ -459,8 +459,10 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     outputs weighted and summed per token, by the path expert_path picks: the grouped expert
     kernel; each pair's expert weights gathered and applied; or the pairs sorted by expert and
     run as grouped matmuls (jax.lax.ragged_dot). Under tensor parallelism the experts' ffn
-    columns are split: the down products are summed over `axis`.
-    x [b, t, d] -> (x + the MLP's output, the experts each token chose [b, t, k])."""
+    columns are split, or under expert parallelism the experts themselves (w holds E/N of them,
+    this device's share along `axis`): every device routes every token (router and inputs are
+    whole), runs the pairs whose expert it holds, and the down products are summed over `axis`
+    either way. x [b, t, d] -> (x + the MLP's output, the experts each token chose [b, t, k])."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
     h = rms_norm(x, norm.weight, norm.eps, deterministic)
@@ -468,30 +470,38 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    held = w.experts_gate_up.shape[0]  # experts on this device: all, or E/N under expert parallelism
+    first = 0 if held == e else lax.axis_index(axis) * held
+    local = experts - first
+    mine = (local >= 0) & (local < held)  # the pairs this device runs (all of them but under expert parallelism)
+    local = jnp.where(mine, local, 0)  # another device's pairs point at expert 0 here, their outputs dropped
     pairs = b * t * k
     expert_bytes = w.experts_gate_up[0].nbytes + w.experts_down[0].nbytes
     path = expert_path(b * t, pairs, expert_bytes, deterministic)
     if path == "kernel":
         y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k), w.experts_gate_up,
-                        w.experts_down, interpret=_interpret())
+                        w.experts_down, first_expert=first, interpret=_interpret())
         y = y.astype(x.dtype).reshape(b, t, d)
     elif path == "gather":
-        gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[experts],
+        gate_up = jnp.einsum("btd,btkdcf->btkcf", h, w.experts_gate_up[local],
                              preferred_element_type=jnp.float32).astype(x.dtype)
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-        out = jnp.einsum("btkf,btkfd->btkd", act, w.experts_down[experts], preferred_element_type=jnp.float32)
-        y = jnp.sum(out * weights[..., None], axis=2).astype(x.dtype)
+        out = jnp.einsum("btkf,btkfd->btkd", act, w.experts_down[local], preferred_element_type=jnp.float32)
+        y = jnp.sum(jnp.where(mine[..., None], out * weights[..., None], 0), axis=2).astype(x.dtype)
     else:
-        order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
+        # The (token, expert) pairs by expert, another device's in a last bin past every group:
+        # the group sizes count this device's pairs only, and the rows past them are dropped.
+        bins = jnp.where(mine, local, held).reshape(-1)
+        order = jnp.argsort(bins, stable=True)
         token = order // k
-        sizes = jnp.bincount(experts.reshape(-1), length=e)
+        sizes = jnp.bincount(bins, length=held + 1)[:held]
         xs = h.reshape(b * t, d)[token]
         f = w.experts_down.shape[1]
-        gate_up = jax.lax.ragged_dot(xs, w.experts_gate_up.reshape(e, d, 2 * f), sizes,
+        gate_up = jax.lax.ragged_dot(xs, w.experts_gate_up.reshape(held, d, 2 * f), sizes,
                                      preferred_element_type=jnp.float32).astype(x.dtype)
         act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
         out = jax.lax.ragged_dot(act, w.experts_down, sizes, preferred_element_type=jnp.float32)
-        out = out * weights.reshape(-1)[order][:, None]
+        out = jnp.where(mine.reshape(-1)[order][:, None], out * weights.reshape(-1)[order][:, None], 0)
         y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
     return residual + _total(axis, deterministic)(y), experts
 

@@ -22,7 +22,7 @@ from jaxspec.model.safetensors_files import read_tensor
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.sharding import named, put, spec, split_axes
 from jaxspec.model.quantize import CHECKPOINT_CONTRACTED, as_quantized
-from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_quantized_layer
+from jaxspec.model.weights import ParamSpec, Weights, assemble, expert_sharding, fuse_quantized_layer, join_experts
 
 PROGRESS_AFTER_S = 3.0  # a progress bar appears on loads that take longer than this
 MAX_READERS = 8  # layers read at once: enough to keep the disk and the host-to-device copies busy
@@ -62,12 +62,13 @@ def _to_engine(raw: dict, scales: dict, *, layout: tuple, dtype, config: ModelCo
     return out | {name: as_quantized(out[name], s, "fp8", CHECKPOINT_CONTRACTED[name]) for name, s in scales.items()}
 
 
-def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool) -> dict:
+def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool, expert_parallel: bool = False) -> dict:
     """Reads `entries` (open_hf items) onto their devices, each device only its own shard, and
     converts them there; an fp8 projection's weight_scale becomes one scale per output channel,
-    split as that channel axis is."""
+    split as that channel axis is. expert_parallel: each expert's tensors go whole to its device,
+    and are fused there (weights.join_experts)."""
     tp = 1 if mesh is None else mesh.size
-    raw, scales, shapes = {}, {}, []
+    raw, scales, shapes, experts = {}, {}, [], {}
     for name, (p, _, path, handle) in entries:
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
         tensor = read_tensor(name, path, handle)
@@ -75,15 +76,22 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool)
             out_axes = p.axes[CHECKPOINT_CONTRACTED[p.field]:] if p.axes else ()
             scales[field] = put(channel_scales(tensor, p), named(mesh, spec(split_axes(out_axes, config, tp))))
             continue
-        raw[field] = put(tensor, named(mesh, spec(split_axes(hf_axes(p), config, tp))))
+        owner = expert_sharding(p, config, mesh, expert_parallel)
+        (experts if owner else raw)[field] = put(tensor, owner or named(mesh, spec(split_axes(hf_axes(p), config, tp))))
         shapes.append((field, p.transpose, p.shape))
-    return _to_engine(raw, scales, layout=tuple(shapes), dtype=dtype, config=config if fuse else None,
-                      mlp=layout.fuse_mlp())
+
+    def convert(part: dict, scales: dict) -> dict:
+        return _to_engine(part, scales, layout=tuple(s for s in shapes if s[0] in part), dtype=dtype,
+                          config=config if fuse else None, mlp=layout.fuse_mlp())
+    experts = join_experts(lambda part: convert(part, {}), experts, config, mesh) if experts else {}
+    return convert(raw, scales) | experts
 
 
-def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None) -> Weights:
+def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None,
+                    expert_parallel: bool = False) -> Weights:
     """The weights of a HF folder (checked first: every name and shape) in `dtype`, split over
-    `mesh` (None: the default device), as weights_from_fields builds them from a checkpoint."""
+    `mesh` (None: the default device; expert_parallel: a mixture of experts by expert), as
+    weights_from_fields builds them from a checkpoint."""
     tensors = open_hf(hf_dir, config)
     by_layer: list[list] = [[] for _ in range(config.num_layers)]
     top_entries = []
@@ -96,11 +104,12 @@ def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh |
         leave=False,
     ) as bar:
         # The first layer alone compiles the layers' graph; the rest share it, in parallel.
-        layers = [_convert(by_layer[0], config, dtype, mesh, fuse=True)]
+        layers = [_convert(by_layer[0], config, dtype, mesh, True, expert_parallel)]
         bar.update(1)
-        futures = [pool.submit(_convert, entries, config, dtype, mesh, True) for entries in by_layer[1:]]
+        futures = [pool.submit(_convert, entries, config, dtype, mesh, True, expert_parallel)
+                   for entries in by_layer[1:]]
         top = _convert(top_entries, config, dtype, mesh, fuse=False)
         for f in futures:
             layers.append(f.result())
             bar.update(1)
-    return assemble(config, top, layers, mesh)
+    return assemble(config, top, layers, mesh, expert_parallel)
