@@ -377,7 +377,7 @@ def run_scale_bench(args) -> int:
 
     dtype = args.dtype or "bfloat16"
     t0 = time.perf_counter()
-    target = random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize)
+    target = random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize, args.expert_parallel)
     jax.block_until_ready(target.weights)
     draft = None
     if args.draft_shape:
