@@ -119,7 +119,7 @@ def run_generate(args) -> int:
         raise JaxspecError("--compare-plain needs --draft: it compares speculative decoding with plain decoding")
     sampling, options = sampling_from_cli(args), RunOptions.from_cli(args)  # checked before any model loads
     target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-                  quantize=args.quantize)
+                  quantize=args.quantize, expert_parallel=args.expert_parallel)
     draft = load_draft(args, args.draft) if args.draft else None
     method = DecodeMethod.of(draft, args.num_draft_tokens, args.tree)
     outs = generate(prompts, target, draft, sampling=sampling, method=method, options=options)
@@ -262,7 +262,7 @@ def run_batch(args) -> int:
     check_unique(read_input(Path(args.input)), Path(args.input))  # fail before loading models
     t0 = time.perf_counter()
     target = load(args.target or embedded_model(DEFAULT_TARGET), dtype=args.dtype, tensor_parallel=args.tensor_parallel,
-                  quantize=args.quantize)
+                  quantize=args.quantize, expert_parallel=args.expert_parallel)
     paths = args.draft or [embedded_model(DEFAULT_DRAFT)]
     draft = None if args.no_draft else [load_draft(args, path) for path in paths]  # run_job takes a list
     load_s = time.perf_counter() - t0

@@ -16,6 +16,9 @@ def add_parallel_args(p) -> None:
     g = p.add_argument_group("devices")
     g.add_argument("--tensor-parallel", type=int, default=1,
                    help="split the target over N devices (all hosts' under --coordinator) (default 1)")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="split a mixture-of-experts target's experts by expert over the --tensor-parallel devices "
+                        "(E/N whole experts each; attention stays split by heads), not each expert's columns")
     g.add_argument("--draft-tensor-parallel", type=int, default=1,
                    help="split the draft over this many of the target's devices; 1 (default) keeps it whole on "
                         "each of them")

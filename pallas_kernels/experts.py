@@ -38,6 +38,11 @@ from pallas_kernels.matmul import BLOCK_M, FORMATS, FP8_SHIFT, NATIVE_FP8, _dot,
 
 DEFAULT_BLOCK_K = 128
 DEFAULT_BLOCK_N = 64
+# Column tiles per platform where measured: on an H100, Qwen3-30B-A3B's experts at 4-64 tokens ran
+# fastest with 128 columns (gate's and up's each: 64 KB of weights a pipeline stage; docs/moe.md).
+# Elsewhere 64 (MI300's LDS is 64 KB, and no MI300 was at hand to measure). Column tiles change
+# no sum's order, so no bit.
+BLOCK_N = {"cuda": 128}
 
 
 def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
@@ -108,7 +113,7 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     does. w_nk: w channels first, [E, n, k] or gated [E, 2, n, k] (8-bit experts are kept so).
     scale: float32 per expert and output column, [E, n] or gated [E, 2, n] (None: unscaled),
     applied to the float32 sums before the epilogue. block_k, block_n: the tiles (None: the
-    largest powers of two up to DEFAULT_BLOCK_K and DEFAULT_BLOCK_N that divide k and n); they
+    largest powers of two up to DEFAULT_BLOCK_K and the platform's BLOCK_N that divide k and n); they
     fix the order of every sum, so they follow the weights' shape, never the rows."""
     if fmt not in FORMATS:
         raise ValueError(f"expert_matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
@@ -130,24 +135,24 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
         raise ValueError(f"expert_matmul scale must be [E, {'2, ' if gated else ''}n={n}] float32; got "
                          f"{list(scale.shape)}")
     block_k = _largest_pow2_divisor(k, block_k or DEFAULT_BLOCK_K, "k")
-    block_n = _largest_pow2_divisor(n, block_n or DEFAULT_BLOCK_N, "n")
     scaled = scale is not None or fmt == "fp8"  # fp8's bit decode leaves a factor 2^8 to the scale
     s32 = jnp.ones(scale_shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
 
     def on(platform):
         native = fmt == "fp8" and platform in NATIVE_FP8
+        columns = _largest_pow2_divisor(n, block_n or BLOCK_N.get(platform, DEFAULT_BLOCK_N), "n")
         kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native)
 
         def call(block_expert, x, w, s32):
             weights = (w, s32 * FP8_SHIFT if fmt == "fp8" and not native else s32) if scaled else (w,)
             return pl.pallas_call(
                 kernel,
-                grid=(s // BLOCK_M, n // block_n),
+                grid=(s // BLOCK_M, n // columns),
                 in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j: (0,)),
                           pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0))]
                 # the weights (and scales) whole, indexed by each block's expert inside
                 + [pl.BlockSpec(a.shape, lambda i, j, a=a: (0,) * a.ndim) for a in weights],
-                out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda i, j: (i, j)),
+                out_specs=pl.BlockSpec((BLOCK_M, columns), lambda i, j: (i, j)),
                 out_shape=jax.ShapeDtypeStruct((s, n), out_dtype or x.dtype),
                 compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                 interpret=interpret,
@@ -156,9 +161,9 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
         return call
 
     operands = (block_expert, x, w, s32)
-    if interpret or fmt != "fp8":  # only fp8's conversion differs by platform (NATIVE_FP8)
-        return on("interpret" if interpret else "default")(*operands)
-    return lax.platform_dependent(*operands, default=on("default"), **{p: on(p) for p in NATIVE_FP8})
+    if interpret:
+        return on("interpret")(*operands)
+    return lax.platform_dependent(*operands, default=on("default"), **{p: on(p) for p in set(NATIVE_FP8) | set(BLOCK_N)})
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,

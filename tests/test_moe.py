@@ -170,6 +170,19 @@ def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
             jaxspec.load(mixed)
 
 
+def test_expert_parallel_is_refused_where_there_are_no_experts_to_split(capsys):
+    """Checked before any device count or weight (tests/test_tensor_parallel.py splits experts)."""
+    from jaxspec import cli
+    from jaxspec.defaults import CHECKPOINTS
+
+    dense = CHECKPOINTS / "hf" / "code-target-16m"
+    with pytest.raises(jaxspec.InputError, match="expert_parallel must be True or False; got 'yes'"):
+        jaxspec.load(dense, expert_parallel="yes")
+    assert cli.main(["generate", "x", "--target", str(dense), "--tensor-parallel", "2", "--expert-parallel"]) == 2
+    assert ("expert_parallel: code-target-16m is a dense model (llama, num_experts 0); only a mixture of experts "
+            "(qwen3_moe, mixtral) splits by expert") in capsys.readouterr().err
+
+
 def test_sampling_on_an_moe_target_is_exact(tmp_path):
     """The exact distribution test (tests/test_speculative_distribution.py) with a tiny Qwen3-MoE
     target on a 16-token vocabulary, its tokens routed to 2 of 4 experts, drafted by a dense

@@ -1,11 +1,12 @@
 """Tensor parallelism on the CPU's virtual devices (conftest makes 4): a model split over 2 or 4
 devices gives the greedy tokens it gives whole, token for token in float32; its arrays are
-really split; a size the heads cannot take is a clear error."""
+really split; a size the heads cannot take is a clear error. Mixtures of experts split inside
+their experts or, under expert parallelism, by expert."""
 
 import jax
 import pytest
 from test_time_to_result import prompt_bucket_pair
-from tiny_models import save_tiny
+from tiny_models import TINY, save_tiny
 
 import jaxspec
 import jaxspec.model.layout
@@ -129,6 +130,7 @@ def tiny_dirs(tmp_path_factory):
         "qwen2": save_tiny(root / "qwen2", "qwen2", dict(vocab_size=386)),
         # a mixture of experts: each expert's ffn columns split (tensor parallel inside the experts)
         "mixtral": save_tiny(root / "mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": save_tiny(root / "qwen3_moe", *TINY["qwen3_moe"]),
     }
 
 
@@ -165,6 +167,76 @@ def test_8bit_experts_split_two_ways_decode_their_whole_tokens(tiny_dirs, tmp_pa
     assert _shard_shape(down.values)[3] == f // 2 and _shard_shape(down.scale) == down.scale.shape  # [L, E, d, f]
     kw = dict(max_new_tokens=24)
     assert _tokens(jaxspec.generate(prompts, split, **kw)) == _tokens(jaxspec.generate(prompts, whole, **kw))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_experts_split_by_expert_decode_the_tokens_of_one_device(tiny_dirs, name, monkeypatch):
+    """Expert parallelism over 2 and 4 devices (each E/N whole experts, attention split by heads):
+    each device holds its own experts, and every expert path (each forced for every call, the
+    kernel in interpret mode) gives the greedy tokens one device gives on that path, float32."""
+    import numpy as np
+
+    import jaxspec.model.forward as forward
+
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    whole = jaxspec.load(tiny_dirs[name], dtype="float32")
+    split = [jaxspec.load(tiny_dirs[name], dtype="float32", tensor_parallel=tp, expert_parallel=True) for tp in (2, 4)]
+    e, f = whole.config.num_experts, whole.config.moe_intermediate_size
+    for model in split:
+        assert model.expert_parallel and model.tensor_parallel in (2, 4)
+        held = e // model.tensor_parallel
+        devices = list(model.mesh.devices.flat)
+        for shard in model.weights.layers.experts_gate_up.addressable_shards:  # [L, E, d, 2, f]: whole experts
+            first = devices.index(shard.device) * held
+            assert shard.index[1] == slice(first, first + held) and shard.data.shape[-1] == f
+            np.testing.assert_array_equal(shard.data, whole.weights.layers.experts_gate_up[:, first:first + held])
+        assert _shard_shape(model.weights.layers.wqkv)[2] == model.config.num_kv_heads // model.tensor_parallel
+    for path in forward.EXPERT_PATHS:
+        monkeypatch.setattr(forward, "FORCED_EXPERT_PATH", path)
+        for model in [whole, *split]:
+            model.graphs.clear()  # the path is picked while a graph is traced
+        jax.clear_caches()
+        want = _tokens(jaxspec.generate(prompts, whole, max_new_tokens=16))
+        for model in split:
+            got = _tokens(jaxspec.generate(prompts, model, max_new_tokens=16))
+            assert got == want, f"{path}, tensor_parallel {model.tensor_parallel}"
+
+
+def test_a_converted_checkpoint_restores_each_devices_own_experts(tiny_dirs, tmp_path):
+    """The checkpoint stores one tensor per expert: under expert parallelism each is restored on
+    its expert's device alone, and the weights equal the HF folder's; speculative decoding on
+    them (drafting for itself) gives one device's plain tokens."""
+    from jaxspec.model.sharding import make_mesh
+    from jaxspec.model.weights import field_shardings
+
+    converted = convert_hf_checkpoint(tiny_dirs["mixtral"], tmp_path / "mixtral")
+    model = jaxspec.load(converted, dtype="float32", tensor_parallel=4, expert_parallel=True)
+    mesh = make_mesh(2)
+    shardings = field_shardings(model.config, mesh, (), expert_parallel=True)
+    assert shardings["layers.e_down3"].device_set == {mesh.devices.flat[1]}  # experts 2 and 3: the second device
+    assert shardings["layers.wq"].spec == field_shardings(model.config, mesh)["layers.wq"].spec  # attention as before
+    from_hf = jaxspec.load(tiny_dirs["mixtral"], dtype="float32", tensor_parallel=4, expert_parallel=True)
+    same = jax.tree.map(lambda a, b: bool((a == b).all()) and a.sharding == b.sharding, model.weights, from_hf.weights)
+    assert all(jax.tree.leaves(same))
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    plain = _tokens(jaxspec.generate(prompts, jaxspec.load(tiny_dirs["mixtral"], dtype="float32"), max_new_tokens=24))
+    spec = jaxspec.generate(prompts, model, model, num_draft_tokens=3, max_new_tokens=24)
+    assert _tokens(spec) == plain
+    assert spec.metrics.acceptance_rate > 0.9  # verify passes of 4 tokens, routed to many experts at once
+
+
+def test_expert_counts_the_devices_cannot_split_are_clear_errors(tmp_path):
+    """Two experts over four devices: refused naming num_experts and the splits that work (4
+    splits the heads and each expert's columns, so tensor parallel inside the experts takes it);
+    8-bit experts split by expert: refused, naming the quantization."""
+    two = save_tiny(tmp_path / "two", "mixtral", dict(num_local_experts=2, num_experts_per_tok=2, num_hidden_layers=1))
+    with pytest.raises(jaxspec.InputError, match=r"tensor_parallel 4 cannot split two: .*num_experts 2 "
+                                                 r"\(expert_parallel\).*an equal number of whole experts\. "
+                                                 r"Allowed on these 4 devices: \[1, 2\]"):
+        jaxspec.load(two, tensor_parallel=4, expert_parallel=True)
+    assert not jaxspec.load(two, tensor_parallel=4).expert_parallel
+    with pytest.raises(jaxspec.InputError, match=r"expert_parallel: two would have 8-bit experts \(quantize 'int8'\)"):
+        jaxspec.load(two, tensor_parallel=2, expert_parallel=True, quantize="int8")
 
 
 def test_gpu_layout_and_pallas_kernel_per_shard(tiny_dirs):
@@ -228,10 +300,9 @@ def test_two_processes_under_jax_distributed_decode_as_one(real_pair):
     assert [x["token_ids"] for x in printed] == _tokens(want)
 
 
-@pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
-def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, device_kind):
-    """No GPU needed: a forward pass split over an abstract mesh of two MI300X (or H200) lowers,
-    with the fused Pallas kernel as a Triton call on each shard and the layer's all-reduces."""
+def _lower_split_forward(monkeypatch, platform: str, device_kind: str, shape: str, expert_parallel: bool = False):
+    """(config, StableHLO text) of a forward pass of the named shape split over an abstract mesh
+    of two GPUs, in the GPU layout with its Pallas kernels."""
     import jax.numpy as jnp
     from jax.sharding import (
         AbstractDevice,
@@ -247,13 +318,13 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
     from jaxspec.model.weights import LayerWeights, Weights, weight_specs
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU layout, kernel compiled
-    c = shape_config("tiny")
+    c = shape_config(shape)
     mesh = AbstractMesh((2,), ("tp",), abstract_device=AbstractDevice(device_kind, None, platform))
     sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     layers = tuple(LayerWeights(**{name: sds(shape) for name, shape in layer_shapes(c, True).items()})
                    for _ in range(c.num_layers))
     weights = Weights(embed=sds((c.vocab_size, c.hidden_size)), layers=layers, final_norm=sds((c.hidden_size,)),
-                      lm_head=sds((c.hidden_size, c.vocab_size)), mesh=mesh)
+                      lm_head=sds((c.hidden_size, c.vocab_size)), mesh=mesh, expert_parallel=expert_parallel)
     cache_shape = sds((2, 128, c.num_kv_heads, c.head_dim))
     cache = KVCache(k=(cache_shape,) * c.num_layers, v=(cache_shape,) * c.num_layers,
                     lengths=jax.ShapeDtypeStruct((2,), jnp.int32))
@@ -266,9 +337,25 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
     with use_abstract_mesh(mesh):
         traced = jax.jit(forward, static_argnames=("config", "attention")).trace(
             weights, c, tokens, cache, attention="pallas")
-        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        return c, traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
+def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, device_kind):
+    """No GPU needed: a forward pass split over an abstract mesh of two MI300X (or H200) lowers,
+    with the fused Pallas kernel as a Triton call on each shard and the layer's all-reduces."""
+    c, text = _lower_split_forward(monkeypatch, platform, device_kind, "tiny")
     assert text.count("__gpu$xla.gpu.triton") == c.num_layers  # one kernel per layer, per shard
     assert "all_reduce" in text and "all_gather" in text
+
+
+def test_experts_split_by_expert_lower_for_two_gpus_ahead_of_time(monkeypatch):
+    """Expert parallelism on two (abstract) H200s: each runs the grouped expert kernel over its
+    own 8 of the 16 experts (32 pairs / 16 rows + 8 experts = 10 blocks; all 16 would make 18),
+    and the experts' outputs join in the all-reduce."""
+    _, text = _lower_split_forward(monkeypatch, "cuda", "NVIDIA H200", "tiny-moe", expert_parallel=True)
+    assert 'name = "expert_matmul_gated"' in text and 'name = "expert_matmul"' in text
+    assert text.count("grid_x = 10 : i32") == 2 and "all_reduce" in text
 
 
 def test_batch_job_split_two_ways(tmp_path, real_pair):

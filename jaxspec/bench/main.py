@@ -181,7 +181,8 @@ def run_bench(args) -> int:
 
     target_path = Path(args.target or embedded_model(DEFAULT_TARGET))
     draft_path = Path(args.draft or embedded_model(DEFAULT_DRAFT))
-    target = load(target_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    target = load(target_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel,
+                  expert_parallel=args.expert_parallel)
     draft = load(draft_path, dtype=args.dtype, tensor_parallel=args.draft_tensor_parallel)
     # The embedded head serves the embedded target only.
     head_path = (embedded_model(DEFAULT_EAGLE) if args.target is None else "") if args.eagle is None else args.eagle

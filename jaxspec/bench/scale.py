@@ -389,7 +389,8 @@ def run_scale_bench(args) -> int:
 
     dtype = args.dtype or "bfloat16"
     t0 = time.perf_counter()
-    target = with_routing(random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize), args.routing)
+    target = with_routing(random_model(args.shape, dtype, args.seed, args.tensor_parallel, args.quantize,
+                                       args.expert_parallel), args.routing)
     jax.block_until_ready(target.weights)
     draft = None
     if args.draft_shape:

@@ -20,6 +20,7 @@ from jaxspec.model.config import ModelConfig, config_from_hf
 from jaxspec.model.eagle import FEATURES, EagleConfig, EagleHead, EagleWeights
 from jaxspec.model.loading import Model
 from jaxspec.model.sharding import (
+    check_expert_parallel,
     check_tensor_parallel,
     make_mesh,
     named,
@@ -143,16 +144,17 @@ def _maker(shape: tuple, dtype, norm: bool, sharding):
     return jax.jit(make) if sharding is None else jax.jit(make, out_shardings=sharding)
 
 
-def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None) -> Weights:
+def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None, expert_parallel: bool = False) -> Weights:
     """Weights of config c (the serving config: kv heads already repeated for mesh), made on the
-    default device, or split over `mesh`, one array at a time (no host copy)."""
+    default device, or split over `mesh` (expert_parallel: the experts by expert), one array at a
+    time (no host copy)."""
     key = jax.random.PRNGKey(seed)
     tp = 1 if mesh is None else mesh.size
 
     def make(shape, axes, norm=False):
         nonlocal key
         key, sub = jax.random.split(key)
-        return _maker(shape, jnp.dtype(dtype), norm, named(mesh, spec(split_axes(axes, c, tp))))(sub)
+        return _maker(shape, jnp.dtype(dtype), norm, named(mesh, spec(split_axes(axes, c, tp, expert_parallel))))(sub)
 
     mlp = layout.fuse_mlp()
 
@@ -170,20 +172,21 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None) -> Weights:
     top = TOP_AXES
     head = None if c.tie_word_embeddings else make((d, v), top["lm_head"])
     weights = Weights(embed=make((v, d), top["embed"]), layers=layers, final_norm=make((d,), top["final_norm"], norm=True),
-                      lm_head=head)
+                      lm_head=head, expert_parallel=expert_parallel and mesh is not None)
     return place(weights, c, mesh)
 
 
 def random_model(name: str, dtype="bfloat16", seed: int = 0, tensor_parallel: int = 1,
-                 quantize: str | None = None) -> Model:
+                 quantize: str | None = None, expert_parallel: bool = False) -> Model:
     """A named shape with random weights, split over tensor_parallel devices (quantize: its
-    projections in 8 bits, as jaxspec.load(..., quantize=) gives them)."""
+    projections in 8 bits, expert_parallel: its experts by expert, as jaxspec.load gives them)."""
     config = shape_config(name)
-    tp = check_tensor_parallel(config, tensor_parallel, name)
+    expert_parallel = check_expert_parallel(config, expert_parallel, name)
+    tp = check_tensor_parallel(config, tensor_parallel, name, expert_parallel)
     config = serving_config(config, tp)
     mesh = make_mesh(tp) if tp > 1 else None
     dtype = jnp.dtype(dtype)
-    weights = random_weights(config, dtype, seed, mesh)
+    weights = random_weights(config, dtype, seed, mesh, expert_parallel)
     if quantize is not None:
         weights = quantize_weights(weights, config, quantize)
     return Model(config, weights, None, name + (f"-{quantize}" if quantize else ""), Path(name), dtype, mesh,

@@ -24,9 +24,11 @@ class Replica:
     """One worker: the target (and draft) loaded in its own process, on its own devices."""
 
     def __init__(self, target: dict, draft):
-        self.target = load(target["path"], dtype=target["dtype"], tensor_parallel=target["tensor_parallel"])
+        self.target = load(target["path"], dtype=target["dtype"], tensor_parallel=target["tensor_parallel"],
+                           expert_parallel=target["expert_parallel"])
         self.draft = draft if not isinstance(draft, dict) else load(
-            draft["path"], dtype=draft["dtype"], tensor_parallel=draft["tensor_parallel"])
+            draft["path"], dtype=draft["dtype"], tensor_parallel=draft["tensor_parallel"],
+            expert_parallel=draft["expert_parallel"])
 
     def run(self, key: int, records: list, settings, method):
         """-> (key, completions in the order of `records`, decode_s, compile_s, worker pid)."""
@@ -44,7 +46,8 @@ class Replica:
 
 
 def _spec(model) -> dict:
-    return {"path": str(model.path), "dtype": model.dtype.name, "tensor_parallel": model.tensor_parallel}
+    return {"path": str(model.path), "dtype": model.dtype.name, "tensor_parallel": model.tensor_parallel,
+            "expert_parallel": model.expert_parallel}
 
 
 def check_ray() -> None:

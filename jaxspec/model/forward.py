@@ -499,9 +499,12 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     outputs weighted and summed per token, by the path expert_path picks: the grouped expert
     kernel; each pair's expert weights gathered and applied; or the pairs sorted by expert and
     run as grouped matmuls (jax.lax.ragged_dot). Under tensor parallelism the experts' ffn
-    columns are split: the down products are summed over `axis`. 8-bit experts (Quantized: each
-    expert's own per-channel scales) take every path: their values become the activations'
-    dtype exactly and the scales multiply the float32 sums, as in the dense projections.
+    columns are split, or under expert parallelism the experts themselves (w holds E/N of them,
+    this device's share along `axis`): every device routes every token (router and inputs are
+    whole), runs the pairs whose expert it holds, and the down products are summed over `axis`
+    either way. 8-bit experts (Quantized: each expert's own per-channel scales) take every path:
+    their values become the activations' dtype exactly and the scales multiply the float32 sums,
+    as in the dense projections.
     x [b, t, d] -> (x + the MLP's output, the experts each token chose [b, t, k])."""
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
@@ -510,30 +513,39 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
     if c.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    pairs = b * t * k
     leaves = jax.tree.leaves((w.experts_gate_up, w.experts_down))  # (8-bit: values and scales)
-    expert_bytes = sum(a.nbytes for a in leaves) // leaves[0].shape[0]
+    held = leaves[0].shape[0]  # experts on this device: all, or E/N under expert parallelism
+    first = 0 if held == e else lax.axis_index(axis) * held
+    local = experts - first
+    mine = (local >= 0) & (local < held)  # the pairs this device runs (all of them but under expert parallelism)
+    local = jnp.where(mine, local, 0)  # another device's pairs point at expert 0 here, their outputs dropped
+    pairs = b * t * k
+    expert_bytes = sum(a.nbytes for a in leaves) // held
     path = expert_path(b * t, pairs, expert_bytes, deterministic)
     if path == "kernel":
         y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k),
-                        **_expert_kernel_args(w.experts_gate_up, w.experts_down), interpret=_interpret())
+                        **_expert_kernel_args(w.experts_gate_up, w.experts_down), first_expert=first,
+                        interpret=_interpret())
         y = y.astype(x.dtype).reshape(b, t, d)
     elif path == "gather":
-        gate_up = _gathered_product("btd,btkdcf->btkcf", h, w.experts_gate_up, experts).astype(x.dtype)
+        gate_up = _gathered_product("btd,btkdcf->btkcf", h, w.experts_gate_up, local).astype(x.dtype)
         act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-        out = _gathered_product("btkf,btkfd->btkd", act, w.experts_down, experts)
-        y = jnp.sum(out * weights[..., None], axis=2).astype(x.dtype)
+        out = _gathered_product("btkf,btkfd->btkd", act, w.experts_down, local)
+        y = jnp.sum(jnp.where(mine[..., None], out * weights[..., None], 0), axis=2).astype(x.dtype)
     else:
-        order = jnp.argsort(experts.reshape(-1), stable=True)  # the (token, expert) pairs by expert
+        # The (token, expert) pairs by expert, another device's in a last bin past every group:
+        # the group sizes count this device's pairs only, and the rows past them are dropped.
+        bins = jnp.where(mine, local, held).reshape(-1)
+        order = jnp.argsort(bins, stable=True)
         token = order // k
-        rows_expert = experts.reshape(-1)[order]
-        sizes = jnp.bincount(experts.reshape(-1), length=e)
+        rows_expert = jnp.minimum(bins[order], held - 1)  # (8-bit: each row's scales; the dropped ones any)
+        sizes = jnp.bincount(bins, length=held + 1)[:held]
         xs = h.reshape(b * t, d)[token]
         gate_up = _grouped_product(xs, w.experts_gate_up, sizes, rows_expert).astype(x.dtype)
         f = gate_up.shape[1] // 2
         act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
         out = _grouped_product(act, w.experts_down, sizes, rows_expert)
-        out = out * weights.reshape(-1)[order][:, None]
+        out = jnp.where(mine.reshape(-1)[order][:, None], out * weights.reshape(-1)[order][:, None], 0)
         y = jnp.zeros((b * t, d), jnp.float32).at[token].add(out).astype(x.dtype).reshape(b, t, d)
     return residual + _total(axis, deterministic)(y), experts
 

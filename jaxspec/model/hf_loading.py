@@ -29,7 +29,7 @@ from jaxspec.model.quantize import (
     expand_block_scales,
     quantize_in_weight_layout,
 )
-from jaxspec.model.weights import ParamSpec, Weights, assemble, fuse_quantized_layer
+from jaxspec.model.weights import ParamSpec, Weights, assemble, expert_sharding, fuse_quantized_layer, join_experts
 
 PROGRESS_AFTER_S = 3.0  # a progress bar appears on loads that take longer than this
 MAX_READERS = 8  # layers read at once: enough to keep the disk and the host-to-device copies busy
@@ -93,13 +93,14 @@ def _to_engine(raw: dict, scales: dict, grids: dict, *, layout: tuple, blocks: t
 
 
 def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool, block: tuple | None,
-             requantize: str | None) -> dict:
+             requantize: str | None, expert_parallel: bool = False) -> dict:
     """Reads `entries` (open_hf items) onto their devices, each device only its own shard, and
     converts them there; an fp8 projection's weight_scale becomes one scale per output channel,
     split as that channel axis is; a block-wise fp8 weight's weight_scale_inv (`block` sizes)
-    goes with its weight (split_block_scales)."""
+    goes with its weight (split_block_scales). expert_parallel: each expert's tensors go whole to
+    its device, and are fused there (weights.join_experts; load refuses 8-bit experts with it)."""
     tp = 1 if mesh is None else mesh.size
-    raw, scales, grids, blocks, shapes = {}, {}, {}, [], []
+    raw, scales, grids, blocks, shapes, experts = {}, {}, {}, [], [], {}
     for name, (p, _, path, handle) in entries:
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
         tensor = read_tensor(name, path, handle)
@@ -113,19 +114,26 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool,
             grids[field] = put(grid, named(mesh, spec(split)))
             blocks.append((field, left))
             continue
-        raw[field] = put(tensor, named(mesh, spec(split)))
+        owner = expert_sharding(p, config, mesh, expert_parallel)
+        (experts if owner else raw)[field] = put(tensor, owner or named(mesh, spec(split)))
         shapes.append((field, p.transpose, p.shape))
-    return _to_engine(raw, scales, grids, layout=tuple(shapes), blocks=tuple(sorted(blocks)), dtype=dtype,
-                      config=config if fuse else None, mlp=layout.fuse_mlp(), requantize=requantize)
+
+    def convert(part: dict, scales: dict, grids: dict) -> dict:
+        return _to_engine(part, scales, grids, layout=tuple(s for s in shapes if s[0] in part),
+                          blocks=tuple(sorted(b for b in blocks if b[0] in grids)), dtype=dtype,
+                          config=config if fuse else None, mlp=layout.fuse_mlp(), requantize=requantize)
+    experts = join_experts(lambda part: convert(part, {}, {}), experts, config, mesh) if experts else {}
+    return convert(raw, scales, grids) | experts
 
 
 def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None,
-                    requantize: str | None = None) -> Weights:
+                    requantize: str | None = None, expert_parallel: bool = False) -> Weights:
     """The weights of a HF folder (checked first: every name and shape) in `dtype`, split over
-    `mesh` (None: the default device), as weights_from_fields builds them from a checkpoint.
-    A block-wise fp8 folder (hf_fp8_blocks) is dequantized as it loads, a layer at a time;
-    requantize "int8" / "fp8": the projections then come out 8-bit per channel, quantized from
-    their float32 values in the same pass (never a whole model in float32)."""
+    `mesh` (None: the default device; expert_parallel: a mixture of experts by expert), as
+    weights_from_fields builds them from a checkpoint. A block-wise fp8 folder (hf_fp8_blocks)
+    is dequantized as it loads, a layer at a time; requantize "int8" / "fp8": the projections
+    then come out 8-bit per channel, quantized from their float32 values in the same pass (never
+    a whole model in float32)."""
     tensors = open_hf(hf_dir, config)
     block = hf_fp8_blocks(hf_dir)
     by_layer: list[list] = [[] for _ in range(config.num_layers)]
@@ -139,12 +147,12 @@ def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh |
         leave=False,
     ) as bar:
         # The first layer alone compiles the layers' graph; the rest share it, in parallel.
-        layers = [_convert(by_layer[0], config, dtype, mesh, True, block, requantize)]
+        layers = [_convert(by_layer[0], config, dtype, mesh, True, block, requantize, expert_parallel)]
         bar.update(1)
-        futures = [pool.submit(_convert, entries, config, dtype, mesh, True, block, requantize)
+        futures = [pool.submit(_convert, entries, config, dtype, mesh, True, block, requantize, expert_parallel)
                    for entries in by_layer[1:]]
         top = _convert(top_entries, config, dtype, mesh, False, block, requantize)
         for f in futures:
             layers.append(f.result())
             bar.update(1)
-    return assemble(config, top, layers, mesh)
+    return assemble(config, top, layers, mesh, expert_parallel)

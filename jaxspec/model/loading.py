@@ -24,6 +24,7 @@ from jaxspec.model.config import ModelConfig, load_config
 from jaxspec.model.hf_loading import load_hf_weights
 from jaxspec.model.tokenizer import load_tokenizer
 from jaxspec.model.sharding import (
+    check_expert_parallel,
     check_tensor_parallel,
     make_mesh,
     replicate,
@@ -56,6 +57,11 @@ class Model:
     @property
     def tensor_parallel(self) -> int:
         return 1 if self.weights.mesh is None else self.weights.mesh.size
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Its experts split by expert over its devices (False when whole or split by columns)."""
+        return self.weights.expert_parallel
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hugging Face hub names models
@@ -91,7 +97,7 @@ def model_folder(path: str | Path) -> tuple[Path, str]:
 
 
 def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel: int = 1,
-         quantize: str | None = None) -> Model:
+         quantize: str | None = None, expert_parallel: bool = False) -> Model:
     """Loads a model folder: converted (has jaxspec.json) or HF (config.json + *.safetensors), or a
     Hugging Face hub id ("meta-llama/Llama-3.1-8B") from the hub's cache (downloaded if need be).
 
@@ -99,6 +105,9 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
     tensor_parallel: split the model over this many devices (the first N of jax.devices(), over
     all hosts under jax.distributed), by heads, ffn columns and vocabulary (jaxspec.model.sharding).
     A converted checkpoint is restored straight into each device's shards.
+    expert_parallel: a mixture of experts' experts split by expert instead (vLLM's
+    enable_expert_parallel): each of the tensor_parallel devices holds E / tensor_parallel whole
+    experts and runs the tokens routed to them; attention stays split by heads.
     quantize: "int8" or "fp8" (e4m3fn): the projections (a mixture of experts' experts too) in 8
     bits with a float32 scale per output channel, embeddings, norms and routers in `dtype`
     (jaxspec.model.quantize); decode steps then read about half the bytes.
@@ -112,31 +121,40 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
         dtype = DTYPES[dtype]
     dtype = jnp.dtype(dtype or default_dtype())
     if is_eagle3(path):
-        if tensor_parallel != 1 or quantize is not None:
+        if tensor_parallel != 1 or quantize is not None or expert_parallel is not False:
             raise InputError(f"{path.name} is an EAGLE-3 head: it loads whole and unquantized (tensor_parallel=1, "
-                             "quantize=None) and drafts for a target that may be split or quantized")
+                             "quantize=None, expert_parallel=False) and drafts for a target that may be split or "
+                             "quantized")
         return load_eagle(path, dtype)
     config = load_config(path)
-    tp = check_tensor_parallel(config, tensor_parallel, path.name)
+    expert_parallel = check_expert_parallel(config, expert_parallel, path.name)
+    tp = check_tensor_parallel(config, tensor_parallel, path.name, expert_parallel)
+    expert_parallel = expert_parallel and tp > 1  # one device: nothing to split
     mesh = make_mesh(tp) if tp > 1 else None
     converted = is_converted(path)
     stored, quantized = stored_quantization(path) if converted else (hf_quantization(path), ())
     if quantize is not None and stored is not None and quantize != stored:
         raise InputError(f"quantize {quantize!r}: {path} stores its weights in {stored}; load it with "
                          f"quantize={stored!r} or None")
+    fp8_blocks = not converted and hf_fp8_blocks(path) is not None
+    if expert_parallel and (quantize or stored or fp8_blocks):
+        what = f"quantize {quantize!r}" if quantize else "fp8 with block-wise scales" if fp8_blocks else stored
+        raise InputError(f"expert_parallel: {path.name} would have 8-bit experts ({what}), which split only by their "
+                         "columns for now; load it with expert_parallel=False (tensor parallelism splits them) or "
+                         "in bf16")
     requantize = None
     if converted:
         # Straight into device memory (each device its own shards): a host copy first made the 8B
         # shape's load 12.8 s on an H200 against 9.7 s this way.
-        shardings = field_shardings(config, mesh, quantized) if mesh is not None else dict.fromkeys(
+        shardings = field_shardings(config, mesh, quantized, expert_parallel) if mesh is not None else dict.fromkeys(
             field_shardings(config, None, quantized), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         fields = read_checkpoint(path, config, shardings)
-        weights = weights_from_fields(config, fields, dtype, mesh, stored)
+        weights = weights_from_fields(config, fields, dtype, mesh, stored, expert_parallel)
     else:
         # A block-wise fp8 folder asked for 8 bits is requantized as it loads, from its float32
         # weights (one rounding to 8 bits, not a second one after the first to `dtype`).
-        requantize = quantize if hf_fp8_blocks(path) else None
-        weights = load_hf_weights(path, config, dtype, mesh, requantize)
+        requantize = quantize if fp8_blocks else None
+        weights = load_hf_weights(path, config, dtype, mesh, requantize, expert_parallel)
     config = serving_config(config, tp)
     if quantize is not None and stored is None and requantize is None:
         weights = quantize_weights(weights, config, quantize)

@@ -26,6 +26,7 @@ from jaxspec.model.quantize import (
     quantize_layer,
 )
 from jaxspec.model.sharding import (
+    expert_device,
     kv_repeats,
     named,
     put,
@@ -76,6 +77,9 @@ class Weights:
     lm_head: jnp.ndarray | None = None  # [d, v]; None when tied to embed
     # The "tp" mesh the arrays are split over (jaxspec.model.sharding); None: whole on each device.
     mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+    # A mixture of experts split over mesh by expert (E/N whole experts a device), not by each
+    # expert's ffn columns (sharding.EXPERT_WHOLE).
+    expert_parallel: bool = struct.field(pytree_node=False, default=False)
 
 
 # Logical axes of the engine-layout arrays (jaxspec.model.sharding maps them to the mesh); the split
@@ -85,7 +89,8 @@ LAYER_AXES = {
     "mlp_norm": (None,), "w_gate_up": (None, None, "ffn"), "w_down": ("ffn", None),
     "bqkv": ("kv_heads", None, None), "bo": (None,), "q_norm": (None,), "k_norm": (None,),
     "b_gate_up": (None, "ffn"), "b_down": (None,),
-    "router": (None, None), "experts_gate_up": (None, None, None, "ffn"), "experts_down": (None, "ffn", None),
+    "router": (None, None), "experts_gate_up": ("experts", None, None, "expert_ffn"),
+    "experts_down": ("experts", "expert_ffn", None),
 }
 SPLIT_MLP_AXES = {"w_gate_up": (None, "ffn"), "b_gate_up": ("ffn",)}
 TOP_AXES = {"embed": ("vocab", None), "final_norm": (None,), "lm_head": (None, "vocab")}
@@ -96,7 +101,7 @@ def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
     weights.mesh."""
     stacked = not isinstance(weights.layers, tuple)
     tp = 1 if weights.mesh is None else weights.mesh.size
-    split = lambda axes: split_axes(axes, config, tp)  # noqa: E731
+    split = lambda axes: split_axes(axes, config, tp, weights.expert_parallel)  # noqa: E731
 
     def spec_of(value, axes, stacked: bool):
         if isinstance(value, Quantized):  # values channels first; the scales keep the output axes
@@ -118,7 +123,7 @@ def weight_specs(weights: Weights, config: ModelConfig) -> Weights:
     top = {name: spec_of(getattr(weights, name), axes, False) for name, axes in TOP_AXES.items()
            if getattr(weights, name) is not None}
     layers = layer_specs(weights.layers) if stacked else tuple(map(layer_specs, weights.layers))
-    return Weights(layers=layers, mesh=weights.mesh, **top)
+    return Weights(layers=layers, mesh=weights.mesh, expert_parallel=weights.expert_parallel, **top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +136,8 @@ class ParamSpec:
     shape: tuple[int, ...]  # engine shape (per layer for layers.*)
     transpose: bool  # HF stores [out, in]; we keep [in, out]
     axes: tuple = ()  # logical axes of `shape` (jaxspec.model.sharding); () replicated
+    expert: int | None = None  # the expert it is one tensor of: under expert parallelism it lives whole on
+    # that expert's device (sharding.expert_device)
 
     @property
     def per_layer(self) -> bool:
@@ -195,9 +202,9 @@ def expert_specs(c: ModelConfig, p: str) -> list[ParamSpec]:
     for j in range(e):
         x = p + f"{block}.experts.{j}."
         specs += [
-            ParamSpec(f"layers.e_gate{j}", x + f"{gate}.weight", (f, d), (d, f), True, (None, "ffn")),
-            ParamSpec(f"layers.e_up{j}", x + f"{up}.weight", (f, d), (d, f), True, (None, "ffn")),
-            ParamSpec(f"layers.e_down{j}", x + f"{down}.weight", (d, f), (f, d), True, ("ffn", None)),
+            ParamSpec(f"layers.e_gate{j}", x + f"{gate}.weight", (f, d), (d, f), True, (None, "expert_ffn"), j),
+            ParamSpec(f"layers.e_up{j}", x + f"{up}.weight", (f, d), (d, f), True, (None, "expert_ffn"), j),
+            ParamSpec(f"layers.e_down{j}", x + f"{down}.weight", (d, f), (f, d), True, ("expert_ffn", None), j),
         ]
     return specs
 
@@ -215,8 +222,8 @@ def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     n, g, k = c.num_kv_heads, c.queries_per_kv, c.head_dim
     out = {name: f[name] for name in ("attn_norm", "wo", "mlp_norm", "w_down", "bo", "q_norm", "k_norm", "b_down",
                                       "router") if name in f}
-    if "e_gate0" in f:
-        experts = range(c.num_experts)
+    experts = sorted(int(name[len("e_gate"):]) for name in f if name.startswith("e_gate"))  # all, or one device's
+    if experts:
         out["experts_gate_up"] = jnp.stack([jnp.stack([f[f"e_gate{j}"], f[f"e_up{j}"]], axis=1) for j in experts])
         out["experts_down"] = jnp.stack([f[f"e_down{j}"] for j in experts])
     if "wq" in f:
@@ -231,18 +238,47 @@ def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
     return out
 
 
-def field_shardings(config: ModelConfig, mesh: Mesh | None, quantized=()) -> dict:
+def field_shardings(config: ModelConfig, mesh: Mesh | None, quantized=(), expert_parallel: bool = False) -> dict:
     """field -> where a checkpoint-layout array goes (None: the default device); for the 8-bit
-    `quantized` fields also their scales (name + SCALE), split as the output axes they keep."""
+    `quantized` fields also their scales (name + SCALE), split as the output axes they keep.
+    expert_parallel: each expert's fields whole on its device (the checkpoint stores one tensor
+    per expert), so each device reads its own experts only."""
     tp = 1 if mesh is None else mesh.size
     out = {}
     for p in param_specs(config):
         axes = p.axes or (None,) * len(p.shape)
-        out[p.field] = named(mesh, spec(split_axes(axes, config, tp), p.per_layer))
+        out[p.field] = expert_sharding(p, config, mesh, expert_parallel) or named(
+            mesh, spec(split_axes(axes, config, tp, expert_parallel), p.per_layer))
         contract = checkpoint_contracted(p.field) if p.field in quantized else None
         if contract:
-            out[p.field + SCALE] = named(mesh, spec(split_axes(axes[contract:], config, tp), p.per_layer))
+            out[p.field + SCALE] = named(mesh, spec(split_axes(axes[contract:], config, tp, expert_parallel),
+                                                    p.per_layer))
     return out
+
+
+def expert_sharding(p: ParamSpec, config: ModelConfig, mesh: Mesh | None, expert_parallel: bool):
+    """Where one expert's tensor goes under expert parallelism: whole, on its expert's device;
+    None for every other tensor (and without expert parallelism)."""
+    if not expert_parallel or mesh is None or p.expert is None:
+        return None
+    return jax.sharding.SingleDeviceSharding(expert_device(mesh, p.expert, config.num_experts))
+
+
+def join_experts(fuse, fields: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """fuse (a fuse_layer graph) run on each device's experts: `fields` are expert tensors each
+    whole on its expert's device (expert_sharding); their fused arrays ([E/N, ...] each, on that
+    device) become arrays split by expert over `mesh` as the engine layout splits them. No
+    device sends another any expert."""
+    parts: dict = {}
+    for name, a in fields.items():
+        parts.setdefault(next(iter(a.devices())), {})[name] = a
+    outs = [fuse(part) for part in parts.values()]
+
+    def join(name):
+        local = [out[name] for out in outs]
+        sharding = named(mesh, spec(split_axes(LAYER_AXES[name], config, mesh.size, True)))
+        return jax.make_array_from_single_device_arrays((config.num_experts, *local[0].shape[1:]), sharding, local)
+    return {name: join(name) for name in outs[0]}
 
 
 def place(weights: Weights, config: ModelConfig, mesh: Mesh | None) -> Weights:
@@ -281,7 +317,7 @@ FUSED_GROUPS = (("wq", "wk", "wv", "bq", "bk", "bv"), ("w_gate", "w_up", "b_gate
 
 
 def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None,
-                        quantize: str | None = None) -> Weights:
+                        quantize: str | None = None, expert_parallel: bool = False) -> Weights:
     """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked; host arrays,
     or device arrays already on their shards) -> Weights in `dtype`, split over `mesh` (None: on
     the default device; the weights then run with serving_config(config, mesh.size)). Each device
@@ -290,8 +326,9 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     Consumes `fields`: each stacked field is dropped once its layers are cut from it, a fused
     group at a time, so a device holds at most its weights plus one group (gate and up of a 70B
     split two ways: 38 GB beside its 70 GB). quantize: the checkpoint stores its projections in
-    8 bits, with their scales (jaxspec.model.quantize); they stay so."""
-    shardings = field_shardings(config, mesh, [name for name in fields if name + SCALE in fields])
+    8 bits, with their scales (jaxspec.model.quantize); they stay so. expert_parallel: a mixture
+    of experts split by expert (each expert's fields on its device: field_shardings)."""
+    shardings = field_shardings(config, mesh, [name for name in fields if name + SCALE in fields], expert_parallel)
     mlp = layout.fuse_mlp()
     take = lambda name: put(fields.pop(name), shardings[name])  # noqa: E731
     top = {}
@@ -306,11 +343,13 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     for group in groups:
         stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}
         scales = {n: take("layers." + n + SCALE) for n in group if "layers." + n + SCALE in fields}
+        by_device = expert_parallel and mesh is not None and group is experts  # each device its own experts
         for i, layer in enumerate(layers if stacked else ()):
-            layer |= _layer_of(stacked, scales, jnp.int32(i), config=config, dtype=jnp.dtype(dtype), mlp=mlp,
-                               quantize=quantize)
+            fuse = functools.partial(_layer_of, scales=scales, i=jnp.int32(i), config=config, dtype=jnp.dtype(dtype),
+                                     mlp=mlp, quantize=quantize)
+            layer |= join_experts(fuse, stacked, config, mesh) if by_device else fuse(stacked)
         del stacked, scales  # frees the stacked arrays: the layers hold their own slices
-    return assemble(config, top, layers, mesh)
+    return assemble(config, top, layers, mesh, expert_parallel)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "mlp", "quantize"))
@@ -336,15 +375,17 @@ def fuse_quantized_layer(config: ModelConfig, fields: dict, scales: dict, mlp: b
                   for name, s in fused.items()}
 
 
-def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | None) -> Weights:
+def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | None,
+             expert_parallel: bool = False) -> Weights:
     """Weights from the top-level arrays and each layer's fused fields (fuse_layer's names), all
     in their dtype on their shards: kv heads repeated for the mesh, layers laid out for this
-    backend (layout.scan_layers), the mesh recorded."""
+    backend (layout.scan_layers), the mesh (and whether the experts split by expert) recorded."""
     r = kv_repeats(config, 1 if mesh is None else mesh.size)
     for layer in layers:
         layer |= {name: _repeat_kv(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
     stacked = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
-    return place(Weights(layers=stacked, **top), serving_config(config, 1 if mesh is None else mesh.size), mesh)
+    weights = Weights(layers=stacked, expert_parallel=expert_parallel and mesh is not None, **top)
+    return place(weights, serving_config(config, 1 if mesh is None else mesh.size), mesh)
 
 
 def quantize_weights(weights: Weights, config: ModelConfig, fmt: str) -> Weights:

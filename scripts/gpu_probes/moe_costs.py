@@ -83,8 +83,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", default="17,49")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--tiles", default="64/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
-                   "to time, comma-separated (the first is the default's)")
+    p.add_argument("--tiles", default="128/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
+                   "to time, comma-separated (default: the engine's on CUDA, pallas_kernels/experts.py BLOCK_N)")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
                    help="random routers, or zeroed ones so every token chooses the same experts (the locality bound)")
     p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
