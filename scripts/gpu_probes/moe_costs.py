@@ -12,7 +12,8 @@
 - expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
   (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too), us
-  per call, and each kernel's largest error against the float32 reference (relative to its
+  per call inside one jitted loop of --op-steps calls (so no call pays a dispatch; the H100 rows
+  of 2026-12-06 in docs/moe.md were single calls, dispatch included), and each kernel's largest error against the float32 reference (relative to its
   largest output).
 
 The step and verify rows use the engine's own choice of expert path; JAXSPEC_EXPERT_PATH=gather
@@ -73,6 +74,18 @@ def layer_bytes(model) -> dict:
             "head": c.hidden_size * c.vocab_size * jnp.dtype(model.dtype).itemsize}
 
 
+def repeated(fn, steps: int):
+    """fn(h, experts, gate_up, down) `steps` times inside one jitted loop, each pass's h scaled by
+    its index so nothing is hoisted: per-call time without a dispatch per call."""
+    @jax.jit
+    def many(h, experts, gate_up, down):
+        def body(i, total):
+            out = fn(h * (1 + i.astype(h.dtype) / 1024), experts, gate_up, down)
+            return total + jnp.sum(out.astype(jnp.float32))
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.float32))
+    return many
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True)
@@ -85,6 +98,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiles", default="128/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
                    "to time, comma-separated (default: the engine's on CUDA, pallas_kernels/experts.py BLOCK_N)")
+    p.add_argument("--op-steps", type=int, default=16, help="expert-op calls per timed loop (dispatch paid once)")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
                    help="random routers, or zeroed ones so every token chooses the same experts (the locality bound)")
     p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
@@ -169,14 +183,18 @@ def main() -> int:
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
+            looped = repeated(fn, args.op_steps)
+            run = lambda looped=looped: jax.block_until_ready(  # noqa: E731
+                looped(h, experts, layer.experts_gate_up, layer.experts_down))
             try:
-                call()
+                out = call()
+                run()
             except Exception as e:  # a tile setting the GPU cannot run (shared memory): reported, not fatal
                 row[name + "_error"] = str(e).splitlines()[0][:200]
                 continue
-            row[name + "_us"] = round(1e6 * best_seconds(call, args.repeats), 1)
+            row[name + "_us"] = round(1e6 * best_seconds(run, args.repeats) / args.op_steps, 1)
             if name.startswith("kernel"):  # its output against the float32 reference, as a check on the device
-                err = np.max(np.abs(np.asarray(call(), np.float32) - ref)) / np.max(np.abs(ref))
+                err = np.max(np.abs(np.asarray(out, np.float32) - ref)) / np.max(np.abs(ref))
                 row[name + "_rel_err"] = float(f"{err:.2e}")
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
