@@ -65,7 +65,9 @@ def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
     slot = jnp.zeros((p,), jnp.int32).at[order].set((first * block_m + rank).astype(jnp.int32))
     n_blocks = p // block_m + min(num_experts, p)
     slot = jnp.where(kept, slot, n_blocks * block_m)
-    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right")
+    # compare_all: one fused comparison; the default 'scan' is a loop of log2(E) steps, which on a
+    # GPU is a kernel launch (and a loop test) each, in every layer of every step
+    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right", method="compare_all")
     block_expert = jnp.where(block_expert < num_experts, block_expert, -1).astype(jnp.int32)
     return slot, block_expert
 

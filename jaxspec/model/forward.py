@@ -409,7 +409,8 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
 # kernel against 2.36 / 3.38 / 4.34 by XLA's rule, decode at batch 8 2.79 against 4.28 ms; Mixtral
 # one token 2.89 against 6.25 ms (its 2 chosen experts are 704 MB: gathering copies them). But one
 # Qwen3 token (8 experts of 9.4 MB) ran 2.01 ms with the kernel against 1.25 gathered, so one token
-# whose chosen experts total at most GATHER_ONE_TOKEN_BYTES is gathered.
+# whose chosen experts total at most GATHER_ONE_TOKEN_BYTES is gathered (measured while the kernel
+# path still looked blocks' experts up in a loop, since removed: to be re-measured).
 # Past that (prefills) and on the CPU (no Pallas outside interpret mode) XLA's paths: each
 # (token, expert) pair's weights gathered while those copies are small, else jax.lax.ragged_dot,
 # which costs about 0.55 ms a layer even for one token (H100).
