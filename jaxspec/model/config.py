@@ -13,16 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.errors import ConfigError
+from jaxspec.model.families.registry import FAMILIES
 
-# model_type -> (q/k/v bias default, uses q/k RMSNorm)
-SUPPORTED_FAMILIES = {
-    "llama": "Llama 2 / 3 / 3.1 / 3.2",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2 / Qwen2.5",
-    "qwen3": "Qwen3",
-    "qwen3_moe": "Qwen3-MoE (every layer sparse)",
-    "mixtral": "Mixtral",
-}
+# model_type -> the models it covers (one file each: jaxspec/model/families/)
+SUPPORTED_FAMILIES = {t: f.description for t, f in FAMILIES.items()}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -131,13 +125,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             raise ConfigError(
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
             )
-        attention_bias = bool(cfg.get("attention_bias", False))
-        sliding_window = None
-        if model_type in ("mistral", "mixtral"):
-            sliding_window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window", False):
-            raise ConfigError(f"use_sliding_window=true is not supported for model_type {model_type!r}")
-        moe = _moe_fields(model_type, cfg)
+        own = dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None)
+        own |= FAMILIES[model_type].fields(cfg)
         eos = _as_tuple(cfg.get("eos_token_id"))
         pad = cfg.get("pad_token_id")
         if pad is None:
@@ -155,47 +144,13 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope=_rope_from_hf(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=attention_bias if model_type in ("llama", "qwen3") else False,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_window=int(sliding_window) if sliding_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             pad_token_id=int(pad),
-            **moe,
+            **own,
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
-
-
-def _moe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of a Mixture-of-Experts config (none for a dense family)."""
-    out = _moe_counts(model_type, cfg)
-    if out and not 1 <= out["experts_per_token"] <= out["num_experts"]:
-        raise ConfigError(f"num_experts_per_tok must be in [1, {out['num_experts']}] (the experts); "
-                          f"got {out['experts_per_token']}")
-    return out
-
-
-def _moe_counts(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if model_type == "mixtral":  # softmax over the chosen logits = the top-k of the softmax, renormalized
-        return dict(num_experts=int(cfg["num_local_experts"]), experts_per_token=int(cfg["num_experts_per_tok"]),
-                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
-    if model_type != "qwen3_moe":
-        return {}
-    # the hub's configs say num_experts; transformers 5 writes num_local_experts
-    experts = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
-    step = int(cfg.get("decoder_sparse_step", 1))
-    dense = list(cfg.get("mlp_only_layers") or [])
-    if step != 1 or dense:
-        raise ConfigError(f"qwen3_moe with dense layers (decoder_sparse_step={step}, mlp_only_layers={dense}) is not "
-                          "supported yet; every layer must be sparse (decoder_sparse_step 1, mlp_only_layers [])")
-    if experts <= 0:
-        raise ConfigError(f"num_experts must be > 0 for qwen3_moe; got {experts}")
-    return dict(num_experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxspec.model import layout
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.families.registry import FAMILIES
 from jaxspec.model.quantize import (
     CONTRACTED,
     LEAD,
@@ -188,16 +189,12 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-# Each family's names for a mixture-of-experts layer: (its block, the router, gate, up, down).
-EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-                "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
-
-
 def expert_specs(c: ModelConfig, p: str) -> list[ParamSpec]:
     """A mixture-of-experts layer's router and each expert's gate, up and down, as the hub stores
-    them (one tensor per expert: fields e_gate{j}, e_up{j}, e_down{j}, stacked by fuse_layer)."""
+    them, under its family's names (Family.expert_names): one tensor per expert, fields e_gate{j},
+    e_up{j}, e_down{j}, stacked by fuse_layer."""
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
-    block, router, gate, up, down = EXPERT_NAMES[c.model_type]
+    block, router, gate, up, down = FAMILIES[c.model_type].expert_names
     specs = [ParamSpec("layers.router", p + f"{block}.{router}.weight", (e, d), (d, e), True)]
     for j in range(e):
         x = p + f"{block}.experts.{j}."
