@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,8 +31,11 @@ def unique_experts(model: Model, tokens: np.ndarray, cache_len: int) -> float:
 
 
 def one_expert_bytes(model: Model) -> int:
-    c = model.config
-    return 3 * c.hidden_size * c.moe_intermediate_size * jnp.dtype(model.dtype).itemsize
+    """One expert's gate, up and down (8-bit: values and scales), from the weights themselves."""
+    layers = model.weights.layers
+    layers = layers if isinstance(layers, tuple) else (layers,)  # (stacked: a leading layer axis)
+    leaves = jax.tree.leaves([(w.experts_gate_up, w.experts_down) for w in layers])
+    return sum(a.nbytes for a in leaves) // (model.config.num_layers * model.config.num_experts)
 
 
 def active_weight_bytes(model: Model, experts_per_layer: float) -> float:

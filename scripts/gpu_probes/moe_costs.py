@@ -41,6 +41,7 @@ from jaxspec.bench.experts import ROUTINGS, one_expert_bytes, unique_experts, wi
 from jaxspec.bench.shapes import random_model
 from jaxspec.decoding.loop import decode
 from jaxspec.decoding.method import DecodeMethod
+from jaxspec.model.quantize import SCHEMES
 from jaxspec.model.cache import KVCache
 from jaxspec.sampling_params import GREEDY
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
@@ -69,9 +70,10 @@ def first_layer(model):
 
 def layer_bytes(model) -> dict:
     w = first_layer(model)
-    c = model.config
-    return {"attention": w.wqkv.nbytes + w.wo.nbytes, "router": w.router.nbytes, "expert": one_expert_bytes(model),
-            "head": c.hidden_size * c.vocab_size * jnp.dtype(model.dtype).itemsize}
+    size = lambda a: sum(x.nbytes for x in jax.tree.leaves(a))  # noqa: E731 (8-bit: values and scales)
+    head = model.weights.lm_head if model.weights.lm_head is not None else model.weights.embed
+    return {"attention": size((w.wqkv, w.wo)), "router": size(w.router), "expert": one_expert_bytes(model),
+            "head": size(head)}
 
 
 def repeated(fn, steps: int):
@@ -98,17 +100,18 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiles", default="128/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
                    "to time, comma-separated (default: the engine's on CUDA, pallas_kernels/experts.py BLOCK_N)")
+    p.add_argument("--quantize", choices=SCHEMES, help="8-bit experts and projections (step and verify rows only)")
     p.add_argument("--op-steps", type=int, default=16, help="expert-op calls per timed loop (dispatch paid once)")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
                    help="random routers, or zeroed ones so every token chooses the same experts (the locality bound)")
     p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
     args = p.parse_args()
-    model = with_routing(random_model(args.shape, args.dtype), args.routing)
+    model = with_routing(random_model(args.shape, args.dtype, quantize=args.quantize), args.routing)
     c = model.config
     bw = copy_bandwidth()
     sizes = layer_bytes(model)
-    skip = set(args.skip.split(","))
-    emit(kind="machine", shape=args.shape, dtype=args.dtype, routing=args.routing, copy_gb_s=round(bw / 1e9, 1),
+    skip = set(args.skip.split(",")) | ({"expert_op"} if args.quantize else set())  # (its XLA paths take floats)
+    emit(kind="machine", shape=args.shape, dtype=args.dtype, quantize=args.quantize, routing=args.routing, copy_gb_s=round(bw / 1e9, 1),
          expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", **machine())
     emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
     rng = np.random.default_rng(0)
