@@ -152,6 +152,20 @@ def test_a_split_load_gives_each_device_its_slice_of_the_dequantized_weights(fol
     assert tokens(split) == tokens(whole)
 
 
+@pytest.mark.multi_device
+def test_experts_split_by_expert_are_dequantized_on_their_own_devices(folders):
+    """Expert parallelism over 2 devices: each expert's fp8 weights and scale grid go whole to its
+    device and are dequantized there; the experts are the whole model's, and the greedy tokens too."""
+    fp8, _ = folders("qwen3_moe")
+    whole = jaxspec.load(fp8, dtype="float32")
+    split = jaxspec.load(fp8, dtype="float32", tensor_parallel=2, expert_parallel=True)
+    assert split.expert_parallel
+    for name in ("experts_gate_up", "experts_down"):
+        np.testing.assert_array_equal(*(np.asarray(getattr(m.weights.layers, name)) for m in (split, whole)))
+    tokens = lambda m: [c.token_ids for c in jaxspec.generate(TOKENS, m, max_new_tokens=8)]  # noqa: E731
+    assert tokens(split) == tokens(whole)
+
+
 def test_what_block_fp8_does_not_support_is_refused_by_name(folders, tmp_path):
     fp8, _ = folders("llama")
     config = json.loads((fp8 / "config.json").read_text())

@@ -98,9 +98,10 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool,
     converts them there; an fp8 projection's weight_scale becomes one scale per output channel,
     split as that channel axis is; a block-wise fp8 weight's weight_scale_inv (`block` sizes)
     goes with its weight (split_block_scales). expert_parallel: each expert's tensors go whole to
-    its device, and are fused there (weights.join_experts; load refuses 8-bit experts with it)."""
+    its device (a block-wise fp8 one dequantized there), and are fused there (weights.join_experts;
+    load refuses 8-bit experts with it)."""
     tp = 1 if mesh is None else mesh.size
-    raw, scales, grids, blocks, shapes, experts = {}, {}, {}, [], [], {}
+    raw, scales, grids, blocks, shapes, experts, expert_grids = {}, {}, {}, [], [], {}, {}
     for name, (p, _, path, handle) in entries:
         field = p.field.split(".", 1)[-1]  # "layers.wq" -> "wq"
         tensor = read_tensor(name, path, handle)
@@ -109,14 +110,19 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool,
             scales[field] = put(channel_scales(tensor, p), named(mesh, spec(split_axes(out_axes, config, tp))))
             continue
         split = split_axes(hf_axes(p), config, tp) if tp > 1 else (None,) * len(p.hf_shape)
+        owner = expert_sharding(p, config, mesh, expert_parallel)
+        if name.endswith(WEIGHT_SCALE_INV) and owner:  # an expert's grid: whole, beside its expert
+            expert_grids[field] = put(tensor, owner)
+            continue
         if name.endswith(WEIGHT_SCALE_INV):
             grid, left = split_block_scales(tensor, p.hf_shape, block, split)
             grids[field] = put(grid, named(mesh, spec(split)))
             blocks.append((field, left))
             continue
-        owner = expert_sharding(p, config, mesh, expert_parallel)
         (experts if owner else raw)[field] = put(tensor, owner or named(mesh, spec(split)))
         shapes.append((field, p.transpose, p.shape))
+    for field, grid in expert_grids.items():  # dequantized on the expert's device, rounded once below
+        experts[field] = _dequantize_blocks(experts[field], grid, block)
 
     def convert(part: dict, scales: dict, grids: dict) -> dict:
         return _to_engine(part, scales, grids, layout=tuple(s for s in shapes if s[0] in part),
@@ -124,6 +130,9 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool,
                           config=config if fuse else None, mlp=layout.fuse_mlp(), requantize=requantize)
     experts = join_experts(lambda part: convert(part, {}, {}), experts, config, mesh) if experts else {}
     return convert(raw, scales, grids) | experts
+
+
+_dequantize_blocks = jax.jit(dequantize_blocks, static_argnums=2)
 
 
 def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh | None = None,

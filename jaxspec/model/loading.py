@@ -137,8 +137,8 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
         raise InputError(f"quantize {quantize!r}: {path} stores its weights in {stored}; load it with "
                          f"quantize={stored!r} or None")
     fp8_blocks = not converted and hf_fp8_blocks(path) is not None
-    if expert_parallel and (quantize or stored or fp8_blocks):
-        what = f"quantize {quantize!r}" if quantize else "fp8 with block-wise scales" if fp8_blocks else stored
+    if expert_parallel and (quantize or stored):
+        what = f"quantize {quantize!r}" if quantize else f"stored in {stored}"
         raise InputError(f"expert_parallel: {path.name} would have 8-bit experts ({what}), which split only by their "
                          "columns for now; load it with expert_parallel=False (tensor parallelism splits them) or "
                          "in bf16")
