@@ -225,18 +225,40 @@ def test_a_converted_checkpoint_restores_each_devices_own_experts(tiny_dirs, tmp
     assert spec.metrics.acceptance_rate > 0.9  # verify passes of 4 tokens, routed to many experts at once
 
 
+def test_8bit_experts_split_by_expert_decode_their_whole_tokens(tiny_dirs, tmp_path):
+    """int8 experts split by expert, quantized as they load and restored from a converted
+    checkpoint (each expert's values and scales on its device): the whole model's weights and
+    greedy tokens."""
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    whole = jaxspec.load(tiny_dirs["mixtral"], dtype="float32", quantize="int8")
+    converted = convert_hf_checkpoint(tiny_dirs["mixtral"], tmp_path / "int8", quantize="int8")
+    for split in (jaxspec.load(tiny_dirs["mixtral"], dtype="float32", quantize="int8", tensor_parallel=2,
+                               expert_parallel=True),
+                  jaxspec.load(converted, dtype="float32", tensor_parallel=2, expert_parallel=True)):
+        assert split.expert_parallel and split.quantize == "int8"
+        mine, theirs = jax.tree.leaves(split.weights), jax.tree.leaves(whole.weights)
+        assert len(mine) == len(theirs) and all(bool((a == b).all()) for a, b in zip(mine, theirs))
+        values = split.weights.layers.experts_gate_up.values  # [L, E, 2, f, d]: whole experts, E/2 a device
+        assert _shard_shape(values)[1] == whole.config.num_experts // 2 and _shard_shape(values)[3:] == values.shape[3:]
+        kw = dict(max_new_tokens=16)
+        assert _tokens(jaxspec.generate(prompts, split, **kw)) == _tokens(jaxspec.generate(prompts, whole, **kw))
+
+
 def test_expert_counts_the_devices_cannot_split_are_clear_errors(tmp_path):
     """Two experts over four devices: refused naming num_experts and the splits that work (4
     splits the heads and each expert's columns, so tensor parallel inside the experts takes it);
-    8-bit experts split by expert: refused, naming the quantization."""
+    an fp8 folder's per-channel scales split by expert: refused, naming it."""
     two = save_tiny(tmp_path / "two", "mixtral", dict(num_local_experts=2, num_experts_per_tok=2, num_hidden_layers=1))
     with pytest.raises(jaxspec.InputError, match=r"tensor_parallel 4 cannot split two: .*num_experts 2 "
                                                  r"\(expert_parallel\).*an equal number of whole experts\. "
                                                  r"Allowed on these 4 devices: \[1, 2\]"):
         jaxspec.load(two, tensor_parallel=4, expert_parallel=True)
     assert not jaxspec.load(two, tensor_parallel=4).expert_parallel
-    with pytest.raises(jaxspec.InputError, match=r"expert_parallel: two would have 8-bit experts \(quantize 'int8'\)"):
-        jaxspec.load(two, tensor_parallel=2, expert_parallel=True, quantize="int8")
+    from test_quantize import fp8_folder
+
+    fp8 = fp8_folder(tmp_path, per_channel=True, source=two)
+    with pytest.raises(jaxspec.InputError, match=r"expert_parallel: fp8-fp8-channel is an fp8 folder with per-channel"):
+        jaxspec.load(fp8, tensor_parallel=2, expert_parallel=True)
 
 
 def test_gpu_layout_and_pallas_kernel_per_shard(tiny_dirs):

@@ -137,11 +137,10 @@ def load(path: str | Path, dtype: str | jnp.dtype | None = None, tensor_parallel
         raise InputError(f"quantize {quantize!r}: {path} stores its weights in {stored}; load it with "
                          f"quantize={stored!r} or None")
     fp8_blocks = not converted and hf_fp8_blocks(path) is not None
-    if expert_parallel and (quantize or stored):
-        what = f"quantize {quantize!r}" if quantize else f"stored in {stored}"
-        raise InputError(f"expert_parallel: {path.name} would have 8-bit experts ({what}), which split only by their "
-                         "columns for now; load it with expert_parallel=False (tensor parallelism splits them) or "
-                         "in bf16")
+    if expert_parallel and stored and not converted:  # (its scales are read split by columns)
+        raise InputError(f"expert_parallel: {path.name} is an {stored} folder with per-channel scales, whose experts "
+                         "split only by their columns for now; convert it first (jaxspec convert, which keeps its "
+                         "8 bits), or load it with expert_parallel=False")
     requantize = None
     if converted:
         # Straight into device memory (each device its own shards): a host copy first made the 8B

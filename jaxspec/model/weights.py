@@ -247,9 +247,9 @@ def field_shardings(config: ModelConfig, mesh: Mesh | None, quantized=(), expert
         out[p.field] = expert_sharding(p, config, mesh, expert_parallel) or named(
             mesh, spec(split_axes(axes, config, tp, expert_parallel), p.per_layer))
         contract = checkpoint_contracted(p.field) if p.field in quantized else None
-        if contract:
-            out[p.field + SCALE] = named(mesh, spec(split_axes(axes[contract:], config, tp, expert_parallel),
-                                                    p.per_layer))
+        if contract:  # (an expert's scales go with it under expert parallelism)
+            out[p.field + SCALE] = expert_sharding(p, config, mesh, expert_parallel) or named(
+                mesh, spec(split_axes(axes[contract:], config, tp, expert_parallel), p.per_layer))
     return out
 
 
@@ -271,11 +271,12 @@ def join_experts(fuse, fields: dict, config: ModelConfig, mesh: Mesh) -> dict:
         parts.setdefault(next(iter(a.devices())), {})[name] = a
     outs = [fuse(part) for part in parts.values()]
 
-    def join(name):
-        local = [out[name] for out in outs]
-        sharding = named(mesh, spec(split_axes(LAYER_AXES[name], config, mesh.size, True)))
-        return jax.make_array_from_single_device_arrays((config.num_experts, *local[0].shape[1:]), sharding, local)
-    return {name: join(name) for name in outs[0]}
+    by_expert = named(mesh, spec(("experts",)))  # the expert axis leads every expert array (8-bit: values and scales)
+
+    def join(*local):
+        return jax.make_array_from_single_device_arrays((config.num_experts, *local[0].shape[1:]), by_expert,
+                                                        list(local))
+    return {name: jax.tree.map(join, *[out[name] for out in outs]) for name in outs[0]}
 
 
 def place(weights: Weights, config: ModelConfig, mesh: Mesh | None) -> Weights:
@@ -342,11 +343,20 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
         scales = {n: take("layers." + n + SCALE) for n in group if "layers." + n + SCALE in fields}
         by_device = expert_parallel and mesh is not None and group is experts  # each device its own experts
         for i, layer in enumerate(layers if stacked else ()):
-            fuse = functools.partial(_layer_of, scales=scales, i=jnp.int32(i), config=config, dtype=jnp.dtype(dtype),
-                                     mlp=mlp, quantize=quantize)
-            layer |= join_experts(fuse, stacked, config, mesh) if by_device else fuse(stacked)
+            fuse = functools.partial(_layer_of, i=jnp.int32(i), config=config, dtype=jnp.dtype(dtype), mlp=mlp,
+                                     quantize=quantize)
+            if by_device:  # each device's experts with their scales (named apart by SCALE)
+                both = stacked | {n + SCALE: a for n, a in scales.items()}
+                layer |= join_experts(lambda part: fuse(*_values_and_scales(part)), both, config, mesh)
+            else:
+                layer |= fuse(stacked, scales)
         del stacked, scales  # frees the stacked arrays: the layers hold their own slices
     return assemble(config, top, layers, mesh, expert_parallel)
+
+
+def _values_and_scales(fields: dict) -> tuple[dict, dict]:
+    return ({n: a for n, a in fields.items() if not n.endswith(SCALE)},
+            {n.removesuffix(SCALE): a for n, a in fields.items() if n.endswith(SCALE)})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "mlp", "quantize"))
