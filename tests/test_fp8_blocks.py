@@ -155,7 +155,8 @@ def test_a_split_load_gives_each_device_its_slice_of_the_dequantized_weights(fol
 @pytest.mark.multi_device
 def test_experts_split_by_expert_are_dequantized_on_their_own_devices(folders):
     """Expert parallelism over 2 devices: each expert's fp8 weights and scale grid go whole to its
-    device and are dequantized there; the experts are the whole model's, and the greedy tokens too."""
+    device and are dequantized there (or requantized to int8); the experts are the whole model's, and
+    the greedy tokens too."""
     fp8, _ = folders("qwen3_moe")
     whole = jaxspec.load(fp8, dtype="float32")
     split = jaxspec.load(fp8, dtype="float32", tensor_parallel=2, expert_parallel=True)
@@ -164,6 +165,9 @@ def test_experts_split_by_expert_are_dequantized_on_their_own_devices(folders):
         np.testing.assert_array_equal(*(np.asarray(getattr(m.weights.layers, name)) for m in (split, whole)))
     tokens = lambda m: [c.token_ids for c in jaxspec.generate(TOKENS, m, max_new_tokens=8)]  # noqa: E731
     assert tokens(split) == tokens(whole)
+    whole, split = (jaxspec.load(fp8, dtype="float32", quantize="int8", **kw)  # requantized on each expert's device
+                    for kw in ({}, dict(tensor_parallel=2, expert_parallel=True)))
+    assert same_weights(split, whole) and tokens(split) == tokens(whole)
 
 
 def test_what_block_fp8_does_not_support_is_refused_by_name(folders, tmp_path):
