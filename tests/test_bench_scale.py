@@ -202,3 +202,16 @@ def test_moe_floors_count_the_experts_read_and_same_routing_reads_one_tokens_exp
     tokens = np.random.default_rng(0).integers(1, c.vocab_size, (4, 4))
     assert unique_experts(model, tokens, 8) > 2 * c.experts_per_token  # random routers spread 16 tokens
     assert unique_experts(with_routing(model, "same"), tokens, 8) == c.experts_per_token
+
+
+def test_a_random_head_for_a_qwen3_moe_target_is_a_llama_layer_that_drafts():
+    """The published EAGLE-3 heads are Llama layers whatever the target (eagle_config): no q/k
+    norms and no experts, at the target's width."""
+    from jaxspec.bench.shapes import random_head
+
+    target = random_model("tiny-moe", "float32")
+    head = random_head(target.config, 128, dtype="float32")
+    assert head.config.layer.model_type == "llama" and not head.config.layer.qk_norm
+    assert not head.config.layer.is_moe and head.config.target_hidden_size == target.config.hidden_size
+    outs = jaxspec.generate([[5, 17, 33, 9]], target, head, num_draft_tokens=2, max_new_tokens=6)
+    assert outs[0].token_ids == jaxspec.generate([[5, 17, 33, 9]], target, max_new_tokens=6)[0].token_ids

@@ -198,7 +198,12 @@ def random_head(target: ModelConfig, draft_vocab_size: int, intermediate_size: i
     """An EAGLE-3 head of random weights at `target`'s width (the published heads' sizes: Llama
     3.1 8B's have a 32000-token draft vocabulary and the target's MLP width), made on the default
     device; the target's embedding table serves it."""
-    layer = dataclasses.replace(target, num_layers=1, intermediate_size=intermediate_size or target.intermediate_size)
+    # a Llama layer, as the published heads are (eagle.eagle_config), whatever the target's family:
+    # no q/k norms, biases, sliding window or experts
+    layer = dataclasses.replace(target, model_type="llama", num_layers=1,
+                                intermediate_size=intermediate_size or target.intermediate_size, qkv_bias=False,
+                                o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None, num_experts=0,
+                                experts_per_token=0, moe_intermediate_size=0, norm_topk_prob=False)
     config = EagleConfig(layer, target.hidden_size, draft_vocab_size)
     d, f, nh, nkv, hd = layer.hidden_size, layer.intermediate_size, layer.num_heads, layer.num_kv_heads, layer.head_dim
     dtype = jnp.dtype(dtype)
