@@ -99,7 +99,7 @@ def _convert(entries, config: ModelConfig, dtype, mesh: Mesh | None, fuse: bool,
     split as that channel axis is; a block-wise fp8 weight's weight_scale_inv (`block` sizes)
     goes with its weight (split_block_scales). expert_parallel: each expert's tensors go whole to
     its device (a block-wise fp8 one dequantized there), and are fused there (weights.join_experts;
-    load refuses 8-bit experts with it)."""
+    load refuses a per-channel fp8 folder with it)."""
     tp = 1 if mesh is None else mesh.size
     raw, scales, grids, blocks, shapes, experts, expert_grids = {}, {}, {}, [], [], {}, {}
     for name, (p, _, path, handle) in entries:

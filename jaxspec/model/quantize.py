@@ -1,7 +1,8 @@
 """8-bit weights: the projections (q/k/v, o, gate/up, down, a mixture-of-experts layer's experts
 and an untied lm_head) stored as int8 or fp8 e4m3fn with one float32 scale per output channel
-(each expert its own); embeddings, norms and routers stay in the model's dtype. A decode step reads every weight once, so 8 bits per weight halve what it reads; the
-matmul kernel (pallas_kernels/matmul.py) converts them in registers.
+(each expert its own); embeddings, norms and routers stay in the model's dtype. A decode step
+reads every weight once, so 8 bits per weight halve what it reads; the matmul kernel
+(pallas_kernels/matmul.py) converts them in registers.
 
 fp8 is e4m3fn on every backend, kept as its uint8 bits: the kernel decodes them with integer
 operations, so it needs neither fp8 hardware nor Triton's fp8 casts (ROCm's MI300 computes in

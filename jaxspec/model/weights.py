@@ -244,11 +244,11 @@ def field_shardings(config: ModelConfig, mesh: Mesh | None, quantized=(), expert
     out = {}
     for p in param_specs(config):
         axes = p.axes or (None,) * len(p.shape)
-        out[p.field] = expert_sharding(p, config, mesh, expert_parallel) or named(
-            mesh, spec(split_axes(axes, config, tp, expert_parallel), p.per_layer))
+        owner = expert_sharding(p, config, mesh, expert_parallel)  # (an expert's scales go with it)
+        out[p.field] = owner or named(mesh, spec(split_axes(axes, config, tp, expert_parallel), p.per_layer))
         contract = checkpoint_contracted(p.field) if p.field in quantized else None
-        if contract:  # (an expert's scales go with it under expert parallelism)
-            out[p.field + SCALE] = expert_sharding(p, config, mesh, expert_parallel) or named(
+        if contract:
+            out[p.field + SCALE] = owner or named(
                 mesh, spec(split_axes(axes[contract:], config, tp, expert_parallel), p.per_layer))
     return out
 
