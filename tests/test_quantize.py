@@ -282,3 +282,16 @@ def test_rows_rules_parse_and_reach_the_engine_as_a_setting(monkeypatch):
     got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          env={**os.environ, forward_module.ROWS_RULE_ENV: "fp8=2:matmul,xla"}).stdout
     assert got.strip() == "((2, 'matmul'), (None, 'xla'))"
+
+
+def test_a_ray_replica_loads_the_drivers_model_in_its_8_bits(quantized_pairs):
+    """A batch job's Ray replica rebuilds the target from the driver's load() arguments; it once
+    left out quantize and served the job in the full dtype."""
+    from jaxspec.jobs.ray_workers import Replica, _spec
+
+    target, draft = quantized_pairs["int8"]
+    replica = Replica(_spec(target), _spec(draft))
+    for theirs, ours in ((replica.target, target), (replica.draft, draft)):
+        assert theirs.quantize == "int8" and theirs.dtype == ours.dtype
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                                         theirs.weights, ours.weights))

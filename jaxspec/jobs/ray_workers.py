@@ -24,11 +24,8 @@ class Replica:
     """One worker: the target (and draft) loaded in its own process, on its own devices."""
 
     def __init__(self, target: dict, draft):
-        self.target = load(target["path"], dtype=target["dtype"], tensor_parallel=target["tensor_parallel"],
-                           expert_parallel=target["expert_parallel"])
-        self.draft = draft if not isinstance(draft, dict) else load(
-            draft["path"], dtype=draft["dtype"], tensor_parallel=draft["tensor_parallel"],
-            expert_parallel=draft["expert_parallel"])
+        self.target = load(**target)
+        self.draft = load(**draft) if isinstance(draft, dict) else draft
 
     def run(self, key: int, records: list, settings, method):
         """-> (key, completions in the order of `records`, decode_s, compile_s, worker pid)."""
@@ -46,8 +43,9 @@ class Replica:
 
 
 def _spec(model) -> dict:
+    """load()'s arguments that give a replica the driver's `model` again (its 8 bits too)."""
     return {"path": str(model.path), "dtype": model.dtype.name, "tensor_parallel": model.tensor_parallel,
-            "expert_parallel": model.expert_parallel}
+            "expert_parallel": model.expert_parallel, "quantize": model.quantize}
 
 
 def check_ray() -> None:
