@@ -163,11 +163,6 @@ def test_what_moe_does_not_do_yet_is_refused(moe, tmp_path):
     save_file(tensors, gone / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(jaxspec.CheckpointError, match=r"missing tensor\(s\) in .*experts\.3\."):
         jaxspec.load(gone)
-    if target.config.model_type == "qwen3_moe":
-        kind, overrides = TINY["qwen3_moe"]
-        mixed = save_tiny(tmp_path / "mixed", kind, {**overrides, "mlp_only_layers": [1]})
-        with pytest.raises(jaxspec.ConfigError, match=r"mlp_only_layers=\[1\]\) is not supported yet"):
-            jaxspec.load(mixed)
 
 
 def test_expert_parallel_is_refused_where_there_are_no_experts_to_split(capsys):
@@ -238,3 +233,52 @@ def test_deterministic_moe_gives_a_row_the_same_bits_alone_batched_and_speculati
     ngram = jaxspec.generate(prompts, target, "ngram", num_draft_tokens=3, **det, max_batch_size=4)
     assert [o.token_ids for o in ngram] == plain and ngram.metrics.accepted > 0
     assert [o.token_ids for o in jaxspec.generate(prompts, target, **det, max_batch_size=2)] == plain
+
+
+def test_qwen3_moe_dense_layers_follow_transformers_rule():
+    """Layer i is sparse unless mlp_only_layers names it or decoder_sparse_step does not divide
+    i + 1 (Qwen3MoeDecoderLayer); configs the rule cannot read, or that leave no sparse layer,
+    are refused by name."""
+    from jaxspec.model.families.qwen3_moe import dense_layers
+
+    assert dense_layers({"num_hidden_layers": 4}) == ()
+    assert dense_layers({"num_hidden_layers": 5, "decoder_sparse_step": 2}) == (0, 2, 4)
+    assert dense_layers({"num_hidden_layers": 5, "decoder_sparse_step": 2, "mlp_only_layers": [3]}) == (0, 2, 3, 4)
+    for bad, named in (({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer >= 1; got 0"),
+                       ({"mlp_only_layers": [4]}, r"mlp_only_layers must be a list of layer indices in \[0, 4\)"),
+                       ({"decoder_sparse_step": 5}, "every layer dense .* load it as model_type qwen3")):
+        with pytest.raises(jaxspec.ConfigError, match=named):
+            dense_layers({"num_hidden_layers": 4, **bad})
+
+
+def test_a_qwen3_moe_with_a_dense_layer_loads_converts_and_speculates(tmp_path):
+    """Layer 1 dense between two sparse ones (logits against transformers: test_hf_numerics runs
+    this model too). Its layers stay apart on the CPU (no stack holds both kinds); a converted
+    checkpoint, in float32 and int8, loads back the folder's weights; every drafter gives plain
+    decoding's tokens; a verify pass reports the experts of the two sparse layers."""
+    kind, overrides = TINY["qwen3_moe_dense_layer"]
+    folder = save_tiny(tmp_path / "t", kind, overrides, seed=1)
+    target = jaxspec.load(folder, dtype="float32")
+    c = target.config
+    assert c.dense_layers == (1,) and c.sparse_layers == (0, 2)
+    layers = target.weights.layers
+    assert isinstance(layers, tuple) and layers[1].router is None and layers[0].w_down is None
+    assert layers[1].w_down.shape == (c.intermediate_size, c.hidden_size)
+    assert layers[2].experts_down.shape == (c.num_experts, c.moe_intermediate_size, c.hidden_size)
+    same = lambda a, b: all(jax.tree.leaves(jax.tree.map(  # noqa: E731
+        lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a.weights, b.weights)))
+    assert same(jaxspec.load(convert_hf_checkpoint(folder, tmp_path / "f32"), dtype="float32"), target)
+    stored = read_checkpoint(convert_hf_checkpoint(folder, tmp_path / "int8", quantize="int8"),
+                             load_config(folder))
+    assert stored["layers.e_gate0"].shape[0] == 2 and stored["layers.w_gate"].shape[0] == 1  # each over its layers
+    assert same(jaxspec.load(tmp_path / "int8", dtype="float32"), jaxspec.load(folder, dtype="float32", quantize="int8"))
+
+    draft = jaxspec.load(save_tiny(tmp_path / "d", "llama", {"num_hidden_layers": 1}, seed=2), dtype="float32")
+    plain = [o.token_ids for o in jaxspec.generate(PROMPTS, target, max_new_tokens=24)]
+    for how, kw in [(draft, dict(num_draft_tokens=3)), (draft, dict(tree="binary-3")),
+                    ("ngram", dict(num_draft_tokens=3))]:
+        spec = jaxspec.generate(PROMPTS, target, how, max_new_tokens=24, warn_below_acceptance=0.0, **kw)
+        assert [o.token_ids for o in spec] == plain, how
+    self_drafted = jaxspec.generate(PROMPTS, target, target, max_new_tokens=24, num_draft_tokens=4)
+    assert [o.token_ids for o in self_drafted] == plain
+    assert c.experts_per_token < self_drafted.metrics.experts_per_layer <= c.num_experts

@@ -14,6 +14,7 @@ from jaxspec.defaults import CHECKPOINTS
 from jaxspec.model.cache import KVCache
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.model.checkpoint import convert_hf_checkpoint
+from jaxspec.model.config import load_config
 from jaxspec.serving.runner import run
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.multi_device]
@@ -131,6 +132,7 @@ def tiny_dirs(tmp_path_factory):
         # a mixture of experts: each expert's ffn columns split (tensor parallel inside the experts)
         "mixtral": save_tiny(root / "mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": save_tiny(root / "qwen3_moe", *TINY["qwen3_moe"]),
+        "qwen3_moe_dense_layer": save_tiny(root / "qwen3_moe_dense_layer", *TINY["qwen3_moe_dense_layer"]),
     }
 
 
@@ -202,6 +204,25 @@ def test_experts_split_by_expert_decode_the_tokens_of_one_device(tiny_dirs, name
             assert got == want, f"{path}, tensor_parallel {model.tensor_parallel}"
 
 
+def test_a_moe_with_a_dense_layer_splits_both_ways(tiny_dirs, tmp_path):
+    """Layer 1 dense between sparse ones: tensor parallel (the dense MLP's and each expert's
+    columns split) and expert parallel (whole experts a device, the dense MLP's columns split),
+    from the folder and from a converted checkpoint, give one device's tokens."""
+    prompts = [[5, 17, 33, 9, 101, 7], [3, 250, 41]]
+    folder = tiny_dirs["qwen3_moe_dense_layer"]
+    want = _tokens(jaxspec.generate(prompts, jaxspec.load(folder, dtype="float32"), max_new_tokens=16))
+    converted = convert_hf_checkpoint(folder, tmp_path / "ckpt")
+    c = load_config(folder)
+    for source, tp, ep in ((folder, 4, False), (folder, 4, True), (converted, 2, True)):
+        split = jaxspec.load(source, dtype="float32", tensor_parallel=tp, expert_parallel=ep)
+        dense, sparse = split.weights.layers[1], split.weights.layers[2]
+        assert _shard_shape(dense.w_down)[0] == c.intermediate_size // tp
+        assert _shard_shape(sparse.experts_down)[:2] == ((c.num_experts // tp, c.moe_intermediate_size) if ep else
+                                                         (c.num_experts, c.moe_intermediate_size // tp))
+        got = _tokens(jaxspec.generate(prompts, split, max_new_tokens=16))
+        assert got == want, f"{source.name}, tensor_parallel {tp}, expert_parallel {ep}"
+
+
 def test_a_converted_checkpoint_restores_each_devices_own_experts(tiny_dirs, tmp_path):
     """The checkpoint stores one tensor per expert: under expert parallelism each is restored on
     its expert's device alone, and the weights equal the HF folder's; speculative decoding on
@@ -250,7 +271,7 @@ def test_expert_counts_the_devices_cannot_split_are_clear_errors(tmp_path):
     an fp8 folder's per-channel scales split by expert: refused, naming it."""
     two = save_tiny(tmp_path / "two", "mixtral", dict(num_local_experts=2, num_experts_per_tok=2, num_hidden_layers=1))
     with pytest.raises(jaxspec.InputError, match=r"tensor_parallel 4 cannot split two: .*num_experts 2 "
-                                                 r"\(expert_parallel\).*an equal number of whole experts\. "
+                                                 r"\(expert_parallel\)\. .*an equal share of each of the rest\. "
                                                  r"Allowed on these 4 devices: \[1, 2\]"):
         jaxspec.load(two, tensor_parallel=4, expert_parallel=True)
     assert not jaxspec.load(two, tensor_parallel=4).expert_parallel
@@ -343,8 +364,8 @@ def _lower_split_forward(monkeypatch, platform: str, device_kind: str, shape: st
     c = shape_config(shape)
     mesh = AbstractMesh((2,), ("tp",), abstract_device=AbstractDevice(device_kind, None, platform))
     sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
-    layers = tuple(LayerWeights(**{name: sds(shape) for name, shape in layer_shapes(c, True).items()})
-                   for _ in range(c.num_layers))
+    layers = tuple(LayerWeights(**{name: sds(shape) for name, shape in
+                                   layer_shapes(c, True, i in c.sparse_layers).items()}) for i in range(c.num_layers))
     weights = Weights(embed=sds((c.vocab_size, c.hidden_size)), layers=layers, final_norm=sds((c.hidden_size,)),
                       lm_head=sds((c.hidden_size, c.vocab_size)), mesh=mesh, expert_parallel=expert_parallel)
     cache_shape = sds((2, 128, c.num_kv_heads, c.head_dim))

@@ -28,6 +28,10 @@ TINY = {
     "qwen3_moe": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
                                     norm_topk_prob=False)),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # a dense layer between two sparse ones (mlp_only_layers), of its own width (intermediate_size)
+    "qwen3_moe_dense_layer": ("qwen3_moe", dict(head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=96, norm_topk_prob=True, num_hidden_layers=3,
+                                                mlp_only_layers=[1])),
 }
 
 

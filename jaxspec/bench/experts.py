@@ -18,7 +18,7 @@ ROUTINGS = ("random", "same")
 
 
 def unique_experts(model: Model, tokens: np.ndarray, cache_len: int) -> float:
-    """Mean over layers of the distinct experts that `tokens` [b, t] choose after a prefix of
+    """Mean over sparse layers of the distinct experts that `tokens` [b, t] choose after a prefix of
     cache_len random tokens (forward's routing)."""
     b = tokens.shape[0]
     prefix = np.random.default_rng(1).integers(1, model.config.vocab_size, (b, cache_len))
@@ -35,14 +35,14 @@ def one_expert_bytes(model: Model) -> int:
     layers = model.weights.layers
     layers = layers if isinstance(layers, tuple) else (layers,)  # (stacked: a leading layer axis)
     leaves = jax.tree.leaves([(w.experts_gate_up, w.experts_down) for w in layers])
-    return sum(a.nbytes for a in leaves) // (model.config.num_layers * model.config.num_experts)
+    return sum(a.nbytes for a in leaves) // (len(model.config.sparse_layers) * model.config.num_experts)
 
 
 def active_weight_bytes(model: Model, experts_per_layer: float) -> float:
     """Weight bytes a step reads per device when each layer reads `experts_per_layer` distinct
     experts: step_weight_bytes with every expert counted, less the experts not read."""
     c = model.config
-    unread = c.num_layers * (c.num_experts - experts_per_layer) * one_expert_bytes(model) / model.tensor_parallel
+    unread = len(c.sparse_layers) * (c.num_experts - experts_per_layer) * one_expert_bytes(model) / model.tensor_parallel
     return step_weight_bytes(model) - unread
 
 
@@ -50,7 +50,8 @@ def same_routing(model: Model) -> Model:
     """The model with every router zeroed: all experts tie, so every token chooses the same
     experts_per_token (top_k's first), the locality bound of a verify pass (its K + 1 tokens read
     what one token reads)."""
-    zero = lambda layer: dataclasses.replace(layer, router=jnp.zeros_like(layer.router))  # noqa: E731
+    zero = lambda layer: layer if layer.router is None else dataclasses.replace(  # noqa: E731
+        layer, router=jnp.zeros_like(layer.router))
     layers = model.weights.layers
     layers = tuple(zero(w) for w in layers) if isinstance(layers, tuple) else zero(layers)
     return dataclasses.replace(model, weights=dataclasses.replace(model.weights, layers=layers),

@@ -112,9 +112,9 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "lm_head": (d, config.vocab_size)}
 
 
-def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
+def layer_shapes(c: ModelConfig, mlp: bool, sparse: bool) -> dict[str, tuple]:
     """The shapes of one layer's LayerWeights fields that this config uses (a tuple of shapes for
-    gate/up kept apart: mlp=False, see model.fuse_mlp)."""
+    gate/up kept apart: mlp=False, see model.fuse_mlp); sparse: a mixture of experts' layer."""
     d, f, h, n, k, g = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.queries_per_kv
     shapes = {"attn_norm": (d,), "wqkv": (d, n, g + 2, k), "wo": (h, k, d), "mlp_norm": (d,),
               "w_gate_up": (d, 2, f) if mlp else ((d, f), (d, f)), "w_down": (f, d)}
@@ -126,7 +126,7 @@ def layer_shapes(c: ModelConfig, mlp: bool) -> dict[str, tuple]:
         shapes |= {"q_norm": (k,), "k_norm": (k,)}
     if c.mlp_bias:
         shapes |= {"b_gate_up": (2, f) if mlp else ((f,), (f,)), "b_down": (d,)}
-    if c.is_moe:  # the experts replace the dense MLP
+    if sparse:  # the experts replace the dense MLP
         e, fe = c.num_experts, c.moe_intermediate_size
         del shapes["w_gate_up"], shapes["w_down"]
         shapes |= {"router": (d, e), "experts_gate_up": (e, d, 2, fe), "experts_down": (e, fe, d)}
@@ -158,16 +158,16 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None, expert_paral
 
     mlp = layout.fuse_mlp()
 
-    def layer():
+    def layer(i):
         out = {}
-        for name, shape in layer_shapes(c, mlp).items():
+        for name, shape in layer_shapes(c, mlp, i in c.sparse_layers).items():
             if isinstance(shape[0], tuple):  # gate and up apart
                 out[name] = tuple(make(s, SPLIT_MLP_AXES[name]) for s in shape)
             else:
                 out[name] = make(shape, LAYER_AXES[name], norm=name.endswith("norm"))
         return LayerWeights(**out)
 
-    layers = arrange_layers(tuple(layer() for _ in range(c.num_layers)))
+    layers = arrange_layers(tuple(layer(i) for i in range(c.num_layers)))
     d, v = c.hidden_size, c.vocab_size
     top = TOP_AXES
     head = None if c.tie_word_embeddings else make((d, v), top["lm_head"])

@@ -65,7 +65,7 @@ def _expected(config: ModelConfig) -> dict[str, tuple[ParamSpec, int | None]]:
     out: dict[str, tuple[ParamSpec, int | None]] = {}
     for spec in param_specs(config):
         if spec.per_layer:
-            for i in range(config.num_layers):
+            for i in spec.held_by(config.num_layers):
                 out[spec.hf_name.format(i=i)] = (spec, i)
         else:
             out[spec.hf_name] = (spec, None)
@@ -246,15 +246,16 @@ def read_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype=None, project
             arr, field = channel_scales(arr, spec), spec.field + SCALE
         else:
             arr = (arr.T if spec.transpose else arr).reshape(spec.shape)
+        held = spec.held_by(config.num_layers)
         if field not in fields:
-            shape = ((config.num_layers,) if layer is not None else ()) + arr.shape
+            shape = ((len(held),) if layer is not None else ()) + arr.shape
             keep = arr.dtype == np.uint8 or field.endswith(SCALE) or dtype is None
             want = projections if projections is not None and checkpoint_contracted(field) else dtype
             fields[field] = np.empty(shape, arr.dtype if keep else np.dtype(want))
         if layer is None:
             fields[field][...] = arr
         else:
-            fields[field][layer] = arr
+            fields[field][held.index(layer)] = arr
         del arr
     return fields
 
@@ -266,7 +267,7 @@ def _abstract_fields(config: ModelConfig, dtype, shardings: dict | None, quantiz
     out = {}
     where = lambda name: None if shardings is None else shardings[name]  # noqa: E731
     for spec in param_specs(config):
-        lead = (config.num_layers,) if spec.per_layer else ()
+        lead = (len(spec.held_by(config.num_layers)),) if spec.per_layer else ()
         contract = checkpoint_contracted(spec.field) if spec.field in quantized else None
         stored = STORED_DTYPES[quantize] if contract else np.dtype(dtype)
         out[spec.field] = jax.ShapeDtypeStruct(lead + spec.shape, stored, sharding=where(spec.field))

@@ -52,13 +52,16 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
-    # Mixture of experts (qwen3_moe, mixtral; 0 experts: a dense MLP): every layer's MLP is num_experts
-    # SwiGLU experts of width moe_intermediate_size, experts_per_token of them per token, picked by
-    # a softmax router (top-k of the softmax, renormalized when norm_topk_prob)
+    # Mixture of experts (qwen3_moe, mixtral; 0 experts: a dense MLP): a sparse layer's MLP is
+    # num_experts SwiGLU experts of width moe_intermediate_size, experts_per_token of them per token,
+    # picked by a softmax router (top-k of the softmax, renormalized when norm_topk_prob)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # the layers of a mixture of experts whose MLP is dense instead (of width intermediate_size:
+    # Qwen3-MoE's mlp_only_layers and decoder_sparse_step); every other layer is sparse
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def queries_per_kv(self) -> int:
@@ -69,9 +72,9 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def ffn_size(self) -> int:
-        """The MLP width tensor parallelism splits: an expert's in a mixture of experts."""
-        return self.moe_intermediate_size if self.is_moe else self.intermediate_size
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none in a dense model)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers) if self.is_moe else ()
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

@@ -55,7 +55,8 @@ def init_params(target, draft_ids: np.ndarray, intermediate_size: int, seed: int
 def target_pass(target_weights, target_config: ModelConfig, tokens, layers: tuple[int, ...]):
     """The frozen target over tokens [b, T]: (its features [b, T, 3d] at `layers`, its
     log-probabilities [b, T, V])."""
-    cache = KVCache.create(target_config, tokens.shape[0], tokens.shape[1], target_weights.embed.dtype)
+    cache = KVCache.create(target_config, tokens.shape[0], tokens.shape[1], target_weights.embed.dtype,
+                           stacked=not isinstance(target_weights.layers, tuple))
     logits, _, feats = forward(target_weights, target_config, tokens, cache, features_at=layers)
     return feats, jax.nn.log_softmax(logits, axis=-1)
 

@@ -563,8 +563,8 @@ def _summed_projection(spec: str, x, w, bias, pad_one_row: bool, axis, determini
 
 def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad_one_row: bool, axis, lengths,
            w: LayerWeights, x, cache_k, cache_v, layer=None):
-    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v, the experts each token chose [b, t, k]:
-    [b, t, 0] in a dense layer). The caches are this layer's
+    """One decoder layer: x [b, t, d] -> (x, cache_k, cache_v, the experts each token chose [b, t, k],
+    None in a dense layer). The caches are this layer's
     [b, s, n, k] arrays, or the stacked [L, b, s, n, k] ones with the scan's `layer` index.
     pad_one_row: see _project. axis: the mesh axis when this runs on one shard of the heads and
     ffn columns (c is then the shard's config): the o and down products are summed over it.
@@ -578,7 +578,7 @@ def _layer(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: str, pad
         x, experts = moe_mlp(c, w, x, axis, det, Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
     else:
         x = gated_mlp(w, x, pad_one_row, axis, det, norm=Norm(w.mlp_norm, c.rms_norm_eps), residual=x)
-        experts = jnp.zeros(x.shape[:2] + (0,), jnp.int32)
+        experts = None
     return x, cache_k, cache_v, experts
 
 
@@ -601,7 +601,7 @@ def forward(
     cache with their K/V written), and with features_at a third item: the hidden states entering
     those layers, concatenated, [b, t, len(features_at) * d] (every token's: what an EAGLE-3
     head reads, jaxspec.model.eagle); with routing, a last item: the experts each token chose in
-    each layer [L, b, t, k] ([L, b, t, 0] for a dense model).
+    each sparse layer [len(config.sparse_layers), b, t, k] ([L, b, t, 0] for a dense model).
 
     The cache's lengths are not advanced: the caller commits what it keeps. The layers run
     unrolled over separate arrays, or as a lax.scan over stacked ones: see Weights. Weights split
@@ -645,7 +645,7 @@ def _embed(table, tokens, axis, vocab_size: int):
 def _forward(config, attention, axis, features_at, weights, cache, tokens, positions, chunk_mask, logits_at):
     """forward on whole weights (axis None), or on one shard of them (config: the shard's):
     (logits, cache, features [b, t, len(features_at) * d], empty without features_at, the
-    experts chosen [L, b, t, k])."""
+    experts chosen [sparse layers, b, t, k])."""
     for i in features_at:
         if not 0 <= i <= config.num_layers:
             raise InputError(f"feature layers must be in [0, {config.num_layers}]; got {features_at}")
@@ -658,7 +658,9 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     x = _embed(weights.embed, tokens, axis, config.vocab_size)
-    unrolled = isinstance(weights.layers, tuple)  # the accelerators' layout (see Weights)
+    # the accelerators' layout (see Weights), or the CPU's for layers unalike (which then also pad
+    # one-row products, _project's pad_one_row: a zero row more, the same numbers)
+    unrolled = isinstance(weights.layers, tuple)
     layer = functools.partial(_layer, config, inv_freq, mask, positions, chunk_mask, impl, unrolled, axis,
                               cache.lengths)
     features = [None] * len(features_at)
@@ -670,8 +672,9 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
                 x, cache_k, cache_v, experts = layer(w, x, cache_k, cache_v)
             new_k.append(cache_k)
             new_v.append(cache_v)
-            routed.append(experts)
-        new_k, new_v, routed = tuple(new_k), tuple(new_v), jnp.stack(routed)
+            routed += [] if experts is None else [experts]
+        new_k, new_v = tuple(new_k), tuple(new_v)
+        routed = jnp.stack(routed) if routed else jnp.zeros((config.num_layers,) + x.shape[:2] + (0,), jnp.int32)
         features = [x if at == config.num_layers else f for f, at in zip(features, features_at)]
     else:  # stacked, scanned (scan_layers)
         at = jnp.asarray(features_at, jnp.int32)
@@ -681,7 +684,7 @@ def _forward(config, attention, axis, features_at, weights, cache, tokens, posit
             w, i = xs
             feats = jnp.where((at == i)[:, None, None, None], x[None], feats)  # the layers' inputs, kept
             x, cache_k, cache_v, experts = layer(w, x, cache_k, cache_v, i)
-            return (x, cache_k, cache_v, feats), experts
+            return (x, cache_k, cache_v, feats), jnp.zeros(x.shape[:2] + (0,), jnp.int32) if experts is None else experts
 
         feats = jnp.zeros((len(features_at),) + x.shape, x.dtype)
         (x, new_k, new_v, feats), routed = jax.lax.scan(

@@ -87,23 +87,35 @@ def check_tensor_parallel(config: ModelConfig, tp, name: str = "model", expert_p
             f"tensor_parallel {tp} needs {tp} devices; {devices} are visible ({jax.devices()[0].platform}). "
             "On the CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N."
         )
-    n, g, f = config.num_kv_heads, config.queries_per_kv, config.ffn_size
+    n, g = config.num_kv_heads, config.queries_per_kv
     if not check_split(config, tp, expert_parallel):
         allowed = [d for d in range(1, devices + 1) if check_split(config, d, expert_parallel)]
-        mlp, share = (f"num_experts {config.num_experts} (expert_parallel)", "an equal number of whole experts") \
-            if expert_parallel else (f"{'moe_' if config.is_moe else ''}intermediate_size {f}", "an equal ffn slice")
+        sizes = ", ".join(f"{k} {v}" + " (expert_parallel)" * (k == "num_experts")
+                          for k, v in split_sizes(config, expert_parallel).items())
         raise InputError(
             f"tensor_parallel {tp} cannot split {name}: num_heads {config.num_heads}, num_kv_heads {n}, "
-            f"{mlp}. Each device needs whole kv heads (or, past {n} devices, an equal share of each kv head's "
-            f"{g} queries) and {share}. Allowed on these {devices} devices: {allowed}"
+            f"{sizes}. Each device needs whole kv heads (or, past {n} devices, an equal share of each kv head's "
+            f"{g} queries) and an equal share of each of the rest. Allowed on these {devices} devices: {allowed}"
         )
     return tp
+
+
+def split_sizes(config: ModelConfig, expert_parallel: bool) -> dict[str, int]:
+    """What the MLPs split tp ways, by config.json's names: the experts themselves under expert
+    parallelism, else an expert's ffn columns; a dense MLP's columns where some layer has one."""
+    out = {}
+    if config.is_moe:
+        out = {"num_experts": config.num_experts} if expert_parallel else {
+            "moe_intermediate_size": config.moe_intermediate_size}
+    if len(config.sparse_layers) < config.num_layers:
+        out["intermediate_size"] = config.intermediate_size
+    return out
 
 
 def check_split(config: ModelConfig, tp: int, expert_parallel: bool = False) -> bool:
     n, g = config.num_kv_heads, config.queries_per_kv
     heads = (n % tp == 0) if tp <= n else (tp % n == 0 and g % (tp // n) == 0)
-    return heads and (config.num_experts if expert_parallel else config.ffn_size) % tp == 0
+    return heads and all(size % tp == 0 for size in split_sizes(config, expert_parallel).values())
 
 
 def make_mesh(tp: int) -> Mesh:

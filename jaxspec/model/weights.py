@@ -139,10 +139,15 @@ class ParamSpec:
     axes: tuple = ()  # logical axes of `shape` (jaxspec.model.sharding); () replicated
     expert: int | None = None  # the expert it is one tensor of: under expert parallelism it lives whole on
     # that expert's device (sharding.expert_device)
+    layers: tuple[int, ...] | None = None  # the layers that hold it, its stack's rows in order; None: all
 
     @property
     def per_layer(self) -> bool:
         return self.field.startswith("layers.")
+
+    def held_by(self, num_layers: int) -> tuple[int, ...]:
+        """The layers whose weights it holds (a per-layer field is stacked over these)."""
+        return tuple(range(num_layers)) if self.layers is None else self.layers
 
 
 def param_specs(c: ModelConfig) -> list[ParamSpec]:
@@ -160,11 +165,14 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
         ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True, ("heads", None, None)),
         ParamSpec("layers.mlp_norm", p + "post_attention_layernorm.weight", (d,), (d,), False),
     ]
-    specs += expert_specs(c, p) if c.is_moe else [
-        ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True, (None, "ffn")),
-        ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True, (None, "ffn")),
-        ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True, ("ffn", None)),
-    ]
+    # a mixture of experts' dense layers (ModelConfig.dense_layers) and its sparse ones each stack apart
+    dense = None if not c.is_moe else c.dense_layers
+    specs += expert_specs(c, p) if c.is_moe else []
+    specs += [
+        ParamSpec("layers.w_gate", p + "mlp.gate_proj.weight", (f, d), (d, f), True, (None, "ffn"), layers=dense),
+        ParamSpec("layers.w_up", p + "mlp.up_proj.weight", (f, d), (d, f), True, (None, "ffn"), layers=dense),
+        ParamSpec("layers.w_down", p + "mlp.down_proj.weight", (d, f), (f, d), True, ("ffn", None), layers=dense),
+    ] if dense != () else []
     if not c.tie_word_embeddings:
         specs.append(ParamSpec("lm_head", "lm_head.weight", (v, d), (d, v), True, (None, "vocab")))
     if c.qkv_bias:
@@ -180,11 +188,11 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
             ParamSpec("layers.q_norm", p + "self_attn.q_norm.weight", (k,), (k,), False),
             ParamSpec("layers.k_norm", p + "self_attn.k_norm.weight", (k,), (k,), False),
         ]
-    if c.mlp_bias:
+    if c.mlp_bias and dense != ():
         specs += [
-            ParamSpec("layers.b_gate", p + "mlp.gate_proj.bias", (f,), (f,), False, ("ffn",)),
-            ParamSpec("layers.b_up", p + "mlp.up_proj.bias", (f,), (f,), False, ("ffn",)),
-            ParamSpec("layers.b_down", p + "mlp.down_proj.bias", (d,), (d,), False),
+            ParamSpec("layers.b_gate", p + "mlp.gate_proj.bias", (f,), (f,), False, ("ffn",), layers=dense),
+            ParamSpec("layers.b_up", p + "mlp.up_proj.bias", (f,), (f,), False, ("ffn",), layers=dense),
+            ParamSpec("layers.b_down", p + "mlp.down_proj.bias", (d,), (d,), False, layers=dense),
         ]
     return specs
 
@@ -195,20 +203,23 @@ def expert_specs(c: ModelConfig, p: str) -> list[ParamSpec]:
     e_up{j}, e_down{j}, stacked by fuse_layer."""
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
     block, router, gate, up, down = FAMILIES[c.model_type].expert_names
-    specs = [ParamSpec("layers.router", p + f"{block}.{router}.weight", (e, d), (d, e), True)]
+    held = c.sparse_layers if c.dense_layers else None
+    specs = [ParamSpec("layers.router", p + f"{block}.{router}.weight", (e, d), (d, e), True, layers=held)]
     for j in range(e):
         x = p + f"{block}.experts.{j}."
         specs += [
-            ParamSpec(f"layers.e_gate{j}", x + f"{gate}.weight", (f, d), (d, f), True, (None, "expert_ffn"), j),
-            ParamSpec(f"layers.e_up{j}", x + f"{up}.weight", (f, d), (d, f), True, (None, "expert_ffn"), j),
-            ParamSpec(f"layers.e_down{j}", x + f"{down}.weight", (d, f), (f, d), True, ("expert_ffn", None), j),
+            ParamSpec(f"layers.e_gate{j}", x + f"{gate}.weight", (f, d), (d, f), True, (None, "expert_ffn"), j, held),
+            ParamSpec(f"layers.e_up{j}", x + f"{up}.weight", (f, d), (d, f), True, (None, "expert_ffn"), j, held),
+            ParamSpec(f"layers.e_down{j}", x + f"{down}.weight", (d, f), (f, d), True, ("expert_ffn", None), j, held),
         ]
     return specs
 
 
 def arrange_layers(layers: tuple[LayerWeights, ...]) -> tuple[LayerWeights, ...] | LayerWeights:
-    """Per-layer weights as this backend runs them: kept apart, or stacked (scan_layers)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layout.scan_layers() else layers
+    """Per-layer weights as this backend runs them: kept apart, or stacked (scan_layers) where
+    every layer has the same parts (a mixture of experts with dense layers stays apart)."""
+    alike = len({jax.tree.structure(layer) for layer in layers}) == 1
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layout.scan_layers() and alike else layers
 
 
 def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
@@ -316,7 +327,8 @@ FUSED_GROUPS = (("wq", "wk", "wv", "bq", "bk", "bv"), ("w_gate", "w_up", "b_gate
 
 def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | None = None,
                         quantize: str | None = None, expert_parallel: bool = False) -> Weights:
-    """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked; host arrays,
+    """{"embed": ..., "layers.wq": [L, ...], ...} (checkpoint layout, layers stacked: each field over
+    the layers that hold it, ParamSpec.held_by; host arrays,
     or device arrays already on their shards) -> Weights in `dtype`, split over `mesh` (None: on
     the default device; the weights then run with serving_config(config, mesh.size)). Each device
     only ever receives its own shards.
@@ -337,13 +349,15 @@ def weights_from_fields(config: ModelConfig, fields: dict, dtype, mesh: Mesh | N
     experts = tuple(n for n in names if n.startswith("e_"))  # an MoE layer's experts stack together
     fused = list(FUSED_GROUPS) + ([experts] if experts else [])
     groups = fused + [(n,) for n in names if not any(n in g for g in fused)]
+    held = {p.field: p.held_by(config.num_layers) for p in param_specs(config) if p.per_layer}
     layers = [{} for _ in range(config.num_layers)]
     for group in groups:
         stacked = {n: take("layers." + n) for n in group if "layers." + n in fields}
         scales = {n: take("layers." + n + SCALE) for n in group if "layers." + n + SCALE in fields}
         by_device = expert_parallel and mesh is not None and group is experts  # each device its own experts
-        for i, layer in enumerate(layers if stacked else ()):
-            fuse = functools.partial(_layer_of, i=jnp.int32(i), config=config, dtype=jnp.dtype(dtype), mlp=mlp,
+        for row, i in enumerate(held["layers." + next(iter(stacked))] if stacked else ()):  # (a group's fields alike)
+            layer = layers[i]
+            fuse = functools.partial(_layer_of, i=jnp.int32(row), config=config, dtype=jnp.dtype(dtype), mlp=mlp,
                                      quantize=quantize)
             if by_device:  # each device's experts with their scales (named apart by SCALE)
                 both = stacked | {n + SCALE: a for n, a in scales.items()}
