@@ -11,7 +11,10 @@
   with the unique experts of those tokens: what a verify round costs relative to a plain step;
 - expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
-  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too), us
+  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too); beside
+  them, to see where a layer's time goes, the kernel path's pair layout alone (group_pairs and the
+  rows' scatter), the router alone (norm, product, softmax, top-k) and the whole MLP block as the
+  engine runs it for those tokens (moe_mlp: router, its chosen path, combine, residual), us
   per call inside one jitted loop of --op-steps calls (so no call pays a dispatch; the H100 rows
   of 2026-12-06 in docs/moe.md were single calls, dispatch included), and each kernel's largest error against the float32 reference (relative to its
   largest output).
@@ -168,6 +171,22 @@ def main() -> int:
         gu = jax.lax.ragged_dot(xs, wg.reshape(e, d, 2 * f), sizes, preferred_element_type=jnp.float32).astype(h.dtype)
         return jax.lax.ragged_dot(jax.nn.silu(gu[:, :f]) * gu[:, f:], wd, sizes)
 
+    from pallas_kernels.experts import BLOCK_M, group_pairs
+
+    def layout(h, experts, wg, wd):  # the kernel path's own work besides its two matmuls: pairs into blocks
+        slot, block_expert = group_pairs(experts.reshape(-1), e)
+        x = jnp.zeros((block_expert.shape[0] * BLOCK_M, d), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
+        return x[:1] + block_expert[0]
+
+    def router(h, experts, wg, wd):  # norm, router product, softmax, top-k: what precedes any path
+        hn = fwd.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
+        probs = jax.nn.softmax(jnp.einsum("td,de->te", hn, layer.router, preferred_element_type=jnp.float32))
+        return jax.lax.top_k(probs, k)[0]
+
+    def whole_layer(h, experts, wg, wd):  # the engine's MLP block as a step runs it (its path, combine, residual)
+        norm = fwd.Norm(layer.mlp_norm, c.rms_norm_eps)
+        return fwd.moe_mlp(c, layer, h[None], None, False, norm, residual=h[None])[0]
+
     tiles = [tuple(int(v) for v in t.split("/")) for t in args.tiles.split(",") if t]
     kernels = {f"kernel_{n}_{w}_{st}": jax.jit(functools.partial(experts_mlp, block_n=n, num_warps=w, num_stages=st,
                                                                           interpret=jax.default_backend() == "cpu"))
@@ -184,6 +203,7 @@ def main() -> int:
         ref = np.asarray(experts_mlp_reference(h, experts, weights, layer.experts_gate_up, layer.experts_down))
         paths = [("gather", gathered), ("ragged_dot", grouped)]
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
+        paths += [("layout", layout), ("router", router), ("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
             looped = repeated(fn, args.op_steps)
@@ -202,7 +222,7 @@ def main() -> int:
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
              **{name.removesuffix("_us") + "_of_floor": round(floor_us / v, 3) for name, v in row.items()
-                if name.endswith("_us")})
+                if name.endswith("_us") and name not in ("layout_us", "router_us")})
     return 0
 
 
