@@ -155,13 +155,16 @@ def load_hf_weights(hf_dir: str | Path, config: ModelConfig, dtype, mesh: Mesh |
         total=config.num_layers, desc=f"loading {Path(hf_dir).name}", unit="layer", delay=PROGRESS_AFTER_S,
         leave=False,
     ) as bar:
-        # The first layer alone compiles the layers' graph; the rest share it, in parallel.
-        layers = [_convert(by_layer[0], config, dtype, mesh, True, block, requantize, expert_parallel)]
-        bar.update(1)
-        futures = [pool.submit(_convert, entries, config, dtype, mesh, True, block, requantize, expert_parallel)
-                   for entries in by_layer[1:]]
+        # The first layer of each kind (dense, sparse) alone compiles its graph; the rest share
+        # them, in parallel.
+        convert = functools.partial(_convert, config=config, dtype=dtype, mesh=mesh, fuse=True, block=block,
+                                    requantize=requantize, expert_parallel=expert_parallel)
+        first = {i in config.dense_layers: i for i in reversed(range(config.num_layers))}.values()
+        layers = {i: convert(by_layer[i]) for i in sorted(first)}
+        bar.update(len(layers))
+        futures = {i: pool.submit(convert, entries) for i, entries in enumerate(by_layer) if i not in layers}
         top = _convert(top_entries, config, dtype, mesh, False, block, requantize)
-        for f in futures:
-            layers.append(f.result())
+        for i, f in futures.items():
+            layers[i] = f.result()
             bar.update(1)
-    return assemble(config, top, layers, mesh, expert_parallel)
+    return assemble(config, top, [layers[i] for i in range(config.num_layers)], mesh, expert_parallel)
