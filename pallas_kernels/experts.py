@@ -45,26 +45,44 @@ DEFAULT_BLOCK_N = 64
 BLOCK_N = {"cuda": 128}
 
 
-def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
+# Up to this many (token, expert) pairs group_pairs ranks each pair among its expert's by comparing
+# every pair with every other (one [P, P] comparison XLA fuses) instead of sorting them (a sort
+# and a scatter: separate GPU kernels in every layer of every step); past it the [P, P]
+# comparison outgrows the sort. Both give the same layout.
+COMPARE_MAX_PAIRS = 1024
+
+
+def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M, method: str | None = None):
     """The grouped layout of (token, expert) pairs. experts [P] int32, each pair's expert; those
     outside [0, num_experts) (another device's, under expert parallelism) are left out.
     -> (slot [P]: each pair's row in the layout, past the last row for pairs left out;
         block_expert [blocks] int32: each block's expert, -1 past the last).
-    Each expert's pairs fill whole blocks of block_m rows from a block of their own, so blocks =
-    P // block_m + min(num_experts, P) always suffices: a static shape for any routing."""
+    Each expert's pairs fill whole blocks of block_m rows from a block of their own, in pair
+    order, so blocks = P // block_m + min(num_experts, P) always suffices: a static shape for any
+    routing. method "compare" or "sort" (None: compare up to COMPARE_MAX_PAIRS pairs) only
+    changes how it is computed."""
     p = experts.shape[0]
+    method = method or ("compare" if p <= COMPARE_MAX_PAIRS else "sort")
+    if method not in ("compare", "sort"):
+        raise ValueError(f"group_pairs method must be 'compare' or 'sort'; got {method!r}")
     kept = (experts >= 0) & (experts < num_experts)
     bins = jnp.where(kept, experts, num_experts)  # one bin past the experts for the pairs left out
-    sizes = jnp.bincount(bins, length=num_experts + 1)
+    if method == "compare":
+        sizes = jnp.sum(bins[:, None] == jnp.arange(num_experts + 1)[None, :], axis=0, dtype=jnp.int32)
+    else:
+        sizes = jnp.bincount(bins, length=num_experts + 1)
     blocks = (sizes[:num_experts] + block_m - 1) // block_m
-    first_block = jnp.cumsum(blocks) - blocks
-    order = jnp.argsort(bins, stable=True)
-    sorted_bins = bins[order]
-    rank = jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[sorted_bins]  # place among its expert's pairs
-    first = jnp.append(first_block, 0)[sorted_bins]
-    slot = jnp.zeros((p,), jnp.int32).at[order].set((first * block_m + rank).astype(jnp.int32))
+    first_row = jnp.append(jnp.cumsum(blocks) - blocks, 0) * block_m  # each expert's first row
+    if method == "compare":  # a pair's rank: the earlier pairs of its expert
+        earlier = jnp.tril(bins[:, None] == bins[None, :], k=-1)
+        slot = first_row[bins] + jnp.sum(earlier, axis=1, dtype=jnp.int32)
+    else:
+        order = jnp.argsort(bins, stable=True)
+        sorted_bins = bins[order]
+        rank = jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[sorted_bins]
+        slot = jnp.zeros((p,), jnp.int32).at[order].set((first_row[sorted_bins] + rank).astype(jnp.int32))
     n_blocks = p // block_m + min(num_experts, p)
-    slot = jnp.where(kept, slot, n_blocks * block_m)
+    slot = jnp.where(kept, slot, n_blocks * block_m).astype(jnp.int32)
     # compare_all: one fused comparison; the default 'scan' is a loop of log2(E) steps, which on a
     # GPU is a kernel launch (and a loop test) each, in every layer of every step
     block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right", method="compare_all")

@@ -26,11 +26,14 @@ def routed(rng, m, e, k, d, f, dtype=jnp.float32):
     return h, experts, weights, gate_up, down
 
 
+@pytest.mark.parametrize("method", ["compare", "sort"])
 @pytest.mark.parametrize("pairs, e", [(1, 8), (8, 128), (40, 4), (37, 8)])
-def test_the_grouped_layout_gives_each_block_one_expert_and_each_pair_its_own_row(pairs, e):
+def test_the_grouped_layout_gives_each_block_one_expert_and_each_pair_its_own_row(pairs, e, method):
+    """Either way of computing it (comparing every pair with every other, or sorting them) gives
+    the same layout: each expert's pairs in pair order from a block of their own."""
     rng = np.random.default_rng(pairs + e)
     experts = rng.integers(-2, e + 2, pairs)  # some out of range: another device's
-    slot, block_expert = map(np.asarray, group_pairs(jnp.asarray(experts, jnp.int32), e))
+    slot, block_expert = map(np.asarray, group_pairs(jnp.asarray(experts, jnp.int32), e, method=method))
     rows = len(block_expert) * BLOCK_M
     kept = (experts >= 0) & (experts < e)
     assert len(block_expert) == pairs // BLOCK_M + min(e, pairs)
@@ -40,6 +43,10 @@ def test_the_grouped_layout_gives_each_block_one_expert_and_each_pair_its_own_ro
     used = block_expert[block_expert >= 0]
     assert np.array_equal(np.bincount(used, minlength=e), -(-counts // BLOCK_M))  # whole blocks, fewest
     assert np.all(block_expert[len(used):] == -1) and np.all(np.diff(used) >= 0)
+    for j in range(e):  # in pair order within an expert, from the start of its first block
+        rows = slot[experts == j]
+        assert np.array_equal(rows, rows[0] + np.arange(len(rows))) if len(rows) else True
+        assert not len(rows) or rows[0] % BLOCK_M == 0
 
 
 @pytest.mark.parametrize("m, e, k", [(1, 8, 2), (4, 16, 4), (37, 4, 2)])

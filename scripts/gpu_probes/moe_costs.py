@@ -13,7 +13,7 @@
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
   (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too); beside
   them, to see where a layer's time goes, the kernel path's pair layout alone (group_pairs and the
-  rows' scatter), the router alone (norm, product, softmax, top-k) and the whole MLP block as the
+  rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) and the whole MLP block as the
   engine runs it for those tokens (moe_mlp: router, its chosen path, combine, residual), us
   per call inside one jitted loop of --op-steps calls (so no call pays a dispatch; the H100 rows
   of 2026-12-06 in docs/moe.md were single calls, dispatch included), and each kernel's largest error against the float32 reference (relative to its
@@ -173,8 +173,8 @@ def main() -> int:
 
     from pallas_kernels.experts import BLOCK_M, group_pairs
 
-    def layout(h, experts, wg, wd):  # the kernel path's own work besides its two matmuls: pairs into blocks
-        slot, block_expert = group_pairs(experts.reshape(-1), e)
+    def layout(h, experts, wg, wd, method=None):  # the kernel path's work besides its two matmuls: pairs into blocks
+        slot, block_expert = group_pairs(experts.reshape(-1), e, method=method)
         x = jnp.zeros((block_expert.shape[0] * BLOCK_M, d), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
         return x[:1] + block_expert[0]
 
@@ -203,7 +203,8 @@ def main() -> int:
         ref = np.asarray(experts_mlp_reference(h, experts, weights, layer.experts_gate_up, layer.experts_down))
         paths = [("gather", gathered), ("ragged_dot", grouped)]
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
-        paths += [("layout", layout), ("router", router), ("moe_layer", whole_layer)]
+        paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
+                  ("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
             looped = repeated(fn, args.op_steps)
@@ -222,7 +223,7 @@ def main() -> int:
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
              **{name.removesuffix("_us") + "_of_floor": round(floor_us / v, 3) for name, v in row.items()
-                if name.endswith("_us") and name not in ("layout_us", "router_us")})
+                if name.endswith("_us") and name not in ("layout_us", "layout_sort_us", "router_us")})
     return 0
 
 
