@@ -251,11 +251,16 @@ def test_qwen3_moe_dense_layers_follow_transformers_rule():
             dense_layers({"num_hidden_layers": 4, **bad})
 
 
-def test_a_qwen3_moe_with_a_dense_layer_loads_converts_and_speculates(tmp_path):
+def test_a_qwen3_moe_with_a_dense_layer_loads_converts_and_speculates(tmp_path, monkeypatch):
     """Layer 1 dense between two sparse ones (logits against transformers: test_hf_numerics runs
     this model too). Its layers stay apart on the CPU (no stack holds both kinds); a converted
-    checkpoint, in float32 and int8, loads back the folder's weights; every drafter gives plain
-    decoding's tokens; a verify pass reports the experts of the two sparse layers."""
+    checkpoint, in float32 and int8, loads back the folder's weights; every drafter, and adaptive
+    K switching between K = 3, 0 (the draft paused) and 1, gives plain decoding's tokens; a verify
+    pass reports the experts of the two sparse layers."""
+    import itertools
+
+    from jaxspec.serving import adaptive_k
+
     kind, overrides = TINY["qwen3_moe_dense_layer"]
     folder = save_tiny(tmp_path / "t", kind, overrides, seed=1)
     target = jaxspec.load(folder, dtype="float32")
@@ -282,3 +287,8 @@ def test_a_qwen3_moe_with_a_dense_layer_loads_converts_and_speculates(tmp_path):
     self_drafted = jaxspec.generate(PROMPTS, target, target, max_new_tokens=24, num_draft_tokens=4)
     assert [o.token_ids for o in self_drafted] == plain
     assert c.experts_per_token < self_drafted.metrics.experts_per_layer <= c.num_experts
+    order = itertools.cycle((3, 0, 1))  # each refill's K in turn, in place of the timed choice
+    monkeypatch.setattr(adaptive_k.AdaptiveK, "next", lambda self, rows: (next(order), False))
+    adaptive = jaxspec.generate(PROMPTS, target, draft, adaptive_k=True, num_draft_tokens=3, max_batch_size=2,
+                                max_new_tokens=24, warn_below_acceptance=0.0)
+    assert [o.token_ids for o in adaptive] == plain
