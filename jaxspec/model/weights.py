@@ -165,7 +165,8 @@ def param_specs(c: ModelConfig) -> list[ParamSpec]:
         ParamSpec("layers.wo", p + "self_attn.o_proj.weight", (d, h * k), (h, k, d), True, ("heads", None, None)),
         ParamSpec("layers.mlp_norm", p + "post_attention_layernorm.weight", (d,), (d,), False),
     ]
-    # a mixture of experts' dense layers (ModelConfig.dense_layers) and its sparse ones each stack apart
+    # the layers with a dense MLP: all of a dense model's (None), a mixture of experts' dense_layers;
+    # a field of some layers only is stacked over those
     dense = None if not c.is_moe else c.dense_layers
     specs += expert_specs(c, p) if c.is_moe else []
     specs += [
