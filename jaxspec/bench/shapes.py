@@ -167,7 +167,7 @@ def random_weights(c: ModelConfig, dtype, seed: int = 0, mesh=None, expert_paral
                 out[name] = make(shape, LAYER_AXES[name], norm=name.endswith("norm"))
         return LayerWeights(**out)
 
-    layers = arrange_layers(tuple(layer(i) for i in range(c.num_layers)))
+    layers = arrange_layers(c, tuple(layer(i) for i in range(c.num_layers)))
     d, v = c.hidden_size, c.vocab_size
     top = TOP_AXES
     head = None if c.tie_word_embeddings else make((d, v), top["lm_head"])

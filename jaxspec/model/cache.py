@@ -33,12 +33,12 @@ class KVCache:
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype, stacked: bool | None = None,
                mesh=None) -> "KVCache":
-        """stacked: one array over all layers, as stacked weights want; default: this backend's
-        layout (model.layout.scan_layers) where the layers are alike (a mixture of experts with
-        dense layers runs unrolled: weights.arrange_layers). mesh: the tensor-parallel mesh of the
-        weights (Weights.mesh), to split the cache by kv heads as they are; None keeps it whole."""
+        """stacked: one array over all layers, as stacked weights want; default: as this
+        backend lays out a model of `config` (model.layout.stack_layers). mesh: the tensor-parallel
+        mesh of the weights (Weights.mesh), to split the cache by kv heads as they are; None keeps
+        it whole."""
         shape = (batch, capacity, config.num_kv_heads, config.head_dim)
-        if layout.scan_layers() and not config.dense_layers if stacked is None else stacked:
+        if layout.stack_layers(config) if stacked is None else stacked:
             make = lambda: jnp.zeros((config.num_layers,) + shape, dtype)  # noqa: E731
         else:
             make = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731

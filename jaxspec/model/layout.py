@@ -15,6 +15,13 @@ def scan_layers() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def stack_layers(config) -> bool:
+    """Whether a model of `config` (a ModelConfig) keeps its layers stacked, weights and cache
+    alike: where this backend scans them and every layer has the same parts (a mixture of
+    experts with dense layers runs unrolled: no stack holds both kinds)."""
+    return scan_layers() and not config.dense_layers
+
+
 def fuse_mlp() -> bool:
     """Whether gate and up are one [d, 2, f] matrix on this backend. On GPUs one wider matmul per
     step is one weight read and one kernel; on the CPU the fused matrix outgrows the cache and ran

@@ -216,11 +216,9 @@ def expert_specs(c: ModelConfig, p: str) -> list[ParamSpec]:
     return specs
 
 
-def arrange_layers(layers: tuple[LayerWeights, ...]) -> tuple[LayerWeights, ...] | LayerWeights:
-    """Per-layer weights as this backend runs them: kept apart, or stacked (scan_layers) where
-    every layer has the same parts (a mixture of experts with dense layers stays apart)."""
-    alike = len({jax.tree.structure(layer) for layer in layers}) == 1
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layout.scan_layers() and alike else layers
+def arrange_layers(config: ModelConfig, layers: tuple[LayerWeights, ...]) -> tuple[LayerWeights, ...] | LayerWeights:
+    """Per-layer weights as a model of `config` runs them: kept apart, or stacked (layout.stack_layers)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers) if layout.stack_layers(config) else layers
 
 
 def fuse_layer(c: ModelConfig, f: dict, mlp: bool) -> dict:
@@ -405,7 +403,7 @@ def assemble(config: ModelConfig, top: dict, layers: list[dict], mesh: Mesh | No
     r = kv_repeats(config, 1 if mesh is None else mesh.size)
     for layer in layers:
         layer |= {name: _repeat_kv(layer[name], r) for name in ("wqkv", "bqkv") if name in layer}
-    stacked = arrange_layers(tuple(LayerWeights(**layer) for layer in layers))
+    stacked = arrange_layers(config, tuple(LayerWeights(**layer) for layer in layers))
     weights = Weights(layers=stacked, expert_parallel=expert_parallel and mesh is not None, **top)
     return place(weights, serving_config(config, 1 if mesh is None else mesh.size), mesh)
 

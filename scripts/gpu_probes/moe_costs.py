@@ -179,9 +179,8 @@ def main() -> int:
         return x[:1] + block_expert[0]
 
     def router(h, experts, wg, wd):  # norm, router product, softmax, top-k: what precedes any path
-        hn = fwd.rms_norm(h, layer.mlp_norm, c.rms_norm_eps)
-        probs = jax.nn.softmax(jnp.einsum("td,de->te", hn, layer.router, preferred_element_type=jnp.float32))
-        return jax.lax.top_k(probs, k)[0]
+        hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)
+        return jax.lax.top_k(jax.nn.softmax(fwd._router_logits(hn, layer.router, False), axis=-1), k)[0]
 
     def whole_layer(h, experts, wg, wd):  # the engine's MLP block as a step runs it (its path, combine, residual)
         norm = fwd.Norm(layer.mlp_norm, c.rms_norm_eps)
