@@ -402,21 +402,18 @@ def gated_mlp(w: LayerWeights, h, pad_one_row: bool, axis, deterministic: bool |
 
 
 # Which path a mixture-of-experts layer's experts take (expert_path). The grouped expert kernel
-# (pallas_kernels/experts.py) reads each chosen expert once, in place: on accelerators from 2 up to
-# KERNEL_MAX_TOKENS tokens, one token whose chosen experts are large, and always in deterministic
-# mode (its sums have one order per token). Measured on an H100 (JAX 0.11.2, bf16, 8 layers,
-# docs/moe.md): Qwen3-30B-A3B verify passes of 2 / 4 / 6 tokens 2.48 / 2.59 / 2.97 ms with the
-# kernel against 2.36 / 3.38 / 4.34 by XLA's rule, decode at batch 8 2.79 against 4.28 ms; Mixtral
-# one token 2.89 against 6.25 ms (its 2 chosen experts are 704 MB: gathering copies them). But one
-# Qwen3 token (8 experts of 9.4 MB) ran 2.01 ms with the kernel against 1.25 gathered, so one token
-# whose chosen experts total at most GATHER_ONE_TOKEN_BYTES is gathered (measured while the kernel
-# path still looked blocks' experts up in a loop, since removed: to be re-measured).
+# (pallas_kernels/experts.py) reads each chosen expert once, in place: on accelerators from 1 up to
+# KERNEL_MAX_TOKENS tokens, and always in deterministic mode (its sums have one order per token).
+# Measured on an H200 (JAX 0.11.2, bf16, 8 layers, docs/moe.md): Qwen3-30B-A3B one token 0.87 ms a
+# step with the kernel against 1.47 gathered, and one layer's experts 61 us against 118 gathered
+# and 315 by ragged_dot; Mixtral-8x7B one token 223 us against 641 gathered (its 2 chosen experts
+# are 704 MB: gathering copies them). On an H100, verify passes of 2 / 4 / 6 Qwen3 tokens 2.48 /
+# 2.59 / 2.97 ms against 2.36 / 3.38 / 4.34 by XLA's rule, decode at batch 8 2.79 against 4.28.
 # Past that (prefills) and on the CPU (no Pallas outside interpret mode) XLA's paths: each
 # (token, expert) pair's weights gathered while those copies are small, else jax.lax.ragged_dot,
-# which costs about 0.55 ms a layer even for one token (H100).
+# which costs about 0.3-0.55 ms a layer even for one token.
 EXPERT_PATHS = ("kernel", "gather", "ragged_dot")
 KERNEL_MAX_TOKENS = 64
-GATHER_ONE_TOKEN_BYTES = 256 * 2**20  # between the two measured: 75 MB gathered faster, 704 MB slower
 GATHER_MAX_PAIRS = 48
 GATHER_MAX_BYTES = 512 * 2**20
 # One path for every call, or "xla" (XLA's two by the rule below, no kernel), to measure them end
@@ -440,9 +437,7 @@ def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> st
         return "kernel"
     if FORCED_EXPERT_PATH in EXPERT_PATHS:
         return FORCED_EXPERT_PATH
-    one_small_token = tokens == 1 and pairs * expert_bytes <= GATHER_ONE_TOKEN_BYTES
-    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS and FORCED_EXPERT_PATH != "xla" \
-            and not one_small_token:
+    if jax.default_backend() != "cpu" and tokens <= KERNEL_MAX_TOKENS and FORCED_EXPERT_PATH != "xla":
         return "kernel"
     if tokens == 1 or (pairs <= GATHER_MAX_PAIRS and pairs * expert_bytes <= GATHER_MAX_BYTES):
         return "gather"
