@@ -215,3 +215,30 @@ def test_a_random_head_for_a_qwen3_moe_target_is_a_llama_layer_that_drafts():
     assert not head.config.layer.is_moe and head.config.target_hidden_size == target.config.hidden_size
     outs = jaxspec.generate([[5, 17, 33, 9]], target, head, num_draft_tokens=2, max_new_tokens=6)
     assert outs[0].token_ids == jaxspec.generate([[5, 17, 33, 9]], target, max_new_tokens=6)[0].token_ids
+
+
+def test_an_moe_targets_forward_rows_count_the_experts_its_distinct_tokens_read(tmp_path):
+    """A verify pass's t tokens are distinct (t copies of one token would read one token's experts),
+    and the row reports the experts they read with the floor of those bytes."""
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--shape", "tiny-moe", "--dtype", "float32", "--no-hf", "--parts", "forward",
+                     "--prompt-lens", "16", "--verify-sizes", "1,4", "--repeats", "1", "--json", str(out)]) == 0
+    rows = {r["size"]: r for r in json.loads(out.read_text())["rows"] if r["part"] == "forward"}
+    c = shape_config("tiny-moe")
+    assert rows["t=1"]["experts_per_layer"] == c.experts_per_token
+    assert c.experts_per_token < rows["t=4"]["experts_per_layer"] <= c.num_experts
+    assert 0 < rows["t=1"]["floor_ms"] < rows["t=4"]["floor_ms"] and rows["t=4"]["of_floor"] > 0
+
+
+def test_the_full_depth_script_scales_the_targets_layers_and_keeps_the_drafts_time(monkeypatch):
+    module = _script("moe_full_depth", monkeypatch)
+    run = json.loads((Path(__file__).parents[1] / "docs/bench/h200-moe-projection-random-2026-12-06.json").read_text())
+    rows = {r["method"]: r for r in module.full_depth_rows(run)}
+    assert set(rows) == {"K=3", "eagle K=3"}
+    spec = next(r for r in run["rows"] if r.get("method") == "K=3" and r["part"] == "spec")
+    plain = next(r["ms_per_step"] for r in run["rows"] if r["part"] == "plain")
+    k3 = rows["K=3"]
+    assert k3["layers"] == 48 and k3["draft_ms"] == spec["draft_ms"] and 4 * plain < k3["plain_ms"] < 6 * plain
+    assert np.isclose(k3["projected_full_depth"], k3["tokens_per_round"] * k3["plain_ms"] / (k3["draft_ms"] + k3["verify_ms"]))
+    # the whole 28-layer draft against 8 of the target's 48 layers understated it
+    assert k3["projected_full_depth"] > k3["projected_8_layers"]

@@ -138,6 +138,12 @@ def forward_ms(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention
     return 1000 * best_seconds(forward_loop(model, batch, prefix, chunk_mask, attention, steps), repeats) / steps
 
 
+def forward_tokens(vocab: int, batch: int, t: int) -> np.ndarray:
+    """The tokens forward_loop's passes start from: distinct ones, so that a mixture of experts'
+    t tokens choose experts as a verify pass's do (t copies of one token would choose one token's)."""
+    return np.random.default_rng(2).integers(1, vocab, (batch, t))
+
+
 def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attention: str | DeterministicParts,
                  steps: int):
     """A call that runs `steps` forward passes of t = len(chunk_mask) tokens per row over a
@@ -147,7 +153,7 @@ def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attenti
     if deterministic_parts(attention) is not None and not np.array_equal(chunk_mask, np.tril(np.ones((t, t), bool))):
         raise InputError("deterministic mode verifies chains only: time trees without --deterministic")
     cap = cache_capacity(prefix, t, 0)
-    tokens = jnp.ones((batch, t), jnp.int32)
+    tokens = jnp.asarray(forward_tokens(model.config.vocab_size, batch, t), jnp.int32)
     positions = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     mask = jnp.asarray(chunk_mask)
     cache = KVCache.create(model.config, batch, cap, model.dtype, stacked=not isinstance(model.weights.layers, tuple),
@@ -419,8 +425,13 @@ def run_scale_bench(args) -> int:
         for role, m, sizes in plan:
             for label, mask in sizes:
                 costs[(role, label)] = ms = forward_ms(m, 1, P, mask, attention, steps=16, repeats=R)
-                emit({"part": "forward", "model": m.name, "role": role, "size": label, "tokens": len(mask),
-                      "prefix": P, "ms": ms, "vs_one_token": ms / costs[(role, "t=1")]})
+                row = {"part": "forward", "model": m.name, "role": role, "size": label, "tokens": len(mask),
+                       "prefix": P, "ms": ms, "vs_one_token": ms / costs[(role, "t=1")]}
+                if m.config.is_moe:  # the floor of the bytes the pass reads: the experts its tokens choose
+                    experts = unique_experts(m, forward_tokens(m.config.vocab_size, 1, len(mask)), P)
+                    floor = 1000 * (active_weight_bytes(m, experts) + _kv_bytes(m, 1, P)) / bw
+                    row |= {"experts_per_layer": experts, "floor_ms": floor, "of_floor": floor / ms}
+                emit(row)
         if draft is not None:
             one = costs[("draft", "t=1")]
             floor = 1000 * (step_weight_bytes(draft) + _kv_bytes(draft, 1, P)) / bw
