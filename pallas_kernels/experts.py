@@ -186,6 +186,17 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     return lax.platform_dependent(*operands, default=on("default"), **{p: on(p) for p in set(NATIVE_FP8) | set(BLOCK_N)})
 
 
+def one_token_blocks(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
+    """group_pairs' (slot, block_expert) for one token's k pairs, with nothing to compute: a block
+    each, in the router's order (its k experts are distinct, so each is still read once; a
+    repeated one would be read twice, still correctly). A row's sums do not depend on its block,
+    so the token's bits are group_pairs'. A decode step at batch 1 skips the grouping's kernels."""
+    kept = (experts >= 0) & (experts < num_experts)
+    k = experts.shape[0]
+    slot = jnp.where(kept, jnp.arange(k, dtype=jnp.int32) * block_m, k * block_m).astype(jnp.int32)
+    return slot, jnp.where(kept, experts, -1).astype(jnp.int32)
+
+
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
                 first_expert=0, interpret: bool = False, **tiles):
     """The experts of a mixture-of-experts MLP through expert_matmul: h [m, d] normed tokens,
@@ -198,7 +209,7 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     alone). tiles: expert_matmul's block_n, num_warps, num_stages (to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
-    slot, block_expert = group_pairs((experts - first_expert).reshape(-1), e)
+    slot, block_expert = (one_token_blocks if m == 1 else group_pairs)((experts - first_expert).reshape(-1), e)
     rows = block_expert.shape[0] * BLOCK_M
     x = jnp.zeros((rows, h.shape[1]), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)

@@ -104,11 +104,12 @@ def test_a_token_gives_the_same_bits_alone_and_among_others(fmt):
         assert np.array_equal(alone[0], batch[i])
 
 
-def test_experts_split_over_devices_add_up_to_the_whole():
+@pytest.mark.parametrize("m", [1, 5])  # one token: a block per pair (one_token_blocks)
+def test_experts_split_over_devices_add_up_to_the_whole(m):
     """Expert parallelism: each device's experts (first_expert on) give the pairs routed to them,
     the others nothing; the shares add up to all experts' output."""
     rng = np.random.default_rng(7)
-    h, experts, weights, gate_up, down = routed(rng, 5, 8, 2, d=64, f=32)
+    h, experts, weights, gate_up, down = routed(rng, m, 8, 2, d=64, f=32)
     whole = experts_mlp(h, experts, weights, gate_up, down, interpret=True)
     shares = [experts_mlp(h, experts, weights, gate_up[i:i + 4], down[i:i + 4], first_expert=i, interpret=True)
               for i in (0, 4)]
