@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The mixture-of-experts rows docs/moe.md still lacks (issue 51), one device call each, every row
 # written as it is measured (JSON lines under $OUT, or ./runs/moe). Compiling an 8-layer loop takes
-# about a minute on an H100, so each part has its own time limit inside the 10-minute call.
+# about a minute, so each part has its own time limit inside the 10-minute call.
 #
-#   bash scripts/gpu_probes/moe_remaining.sh kernel      # Qwen3 one token and K=3 with the kernel, B=64; 8-bit
-#   bash scripts/gpu_probes/moe_remaining.sh mixtral     # Mixtral's verify passes and expert ops, both paths
-#   bash scripts/gpu_probes/moe_remaining.sh projection  # speedups projected under both routings
+#   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
+#                                                        # passes of 1-5 distinct tokens with their experts and floors,
+#                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
+#   bash scripts/gpu_probes/moe_remaining.sh same        # the same at the locality bound, and the expert ops at 1 token
+#                                                        # (a block per pair now) and 64 tokens
+#   bash scripts/gpu_probes/moe_remaining.sh mixtral     # Mixtral through the public API: plain B = 1-64, verify
+#                                                        # passes, EAGLE-3 rounds; its expert ops at 32 tokens
+#
+# Then: python3 scripts/gpu_probes/moe_full_depth.py $OUT/*.json (the projections at full depth).
 set -u
 out=${OUT:-runs/moe}
 mkdir -p "$out"
@@ -21,26 +27,29 @@ run() {  # run NAME SECONDS COMMAND...: its rows to $out/NAME.jsonl, its log to 
     echo "$name: exit $? ($(wc -l <"$out/$name.jsonl") rows)"
 }
 
+bench_qwen3() {  # bench_qwen3 ROUTING SECONDS
+    run "qwen3-$1" "$2" python3 -m jaxspec.cli bench --shape $q --draft-shape qwen3-0.6b \
+        --parts plain,forward,acceptance,eagle,spec --batch-sizes 1,8,32,64 --prompt-lens 128 --new-tokens 64 \
+        --verify-sizes 1,2,3,4,5 --eagle-k 1,2,3 --spec-k 1,3 --acceptance-prompts 8 --no-hf --routing "$1" \
+        --json "$out/qwen3-$1.json"
+}
+
 case ${1:-} in
-kernel)
-    JAXSPEC_EXPERT_PATH=kernel run qwen3-kernel-forced 150 python3 $costs --shape $q --batches 1 --ks 3 --skip expert_op
-    run qwen3-engine 200 python3 $costs --shape $q --batches 1,64 --ks 3 --tokens 1,4,8,32,64 --tiles 128/4/3,64/4/3
-    run qwen3-int8 180 python3 $costs --shape $q --quantize int8 --batches 1,8 --ks 3
+qwen3)
+    bench_qwen3 random 560
+    ;;
+same)
+    bench_qwen3 same 400
+    run qwen3-ops 150 python3 $costs --shape $q --skip step,verify --tokens 1,64
     ;;
 mixtral)
-    run mixtral-engine 300 python3 $costs --shape $m --skip step --tokens 1,4,8,32 --tiles 128/4/3,64/4/3
-    JAXSPEC_EXPERT_PATH=xla run mixtral-xla 200 python3 $costs --shape $m --batches 64 --skip expert_op
-    ;;
-projection)
-    for routing in random same; do
-        run "projection-$routing" 280 python3 -m jaxspec.cli bench --shape $q --draft-shape qwen3-0.6b \
-            --parts plain,forward,spec,acceptance,eagle --batch-sizes 1 --prompt-lens 128 --new-tokens 64 \
-            --spec-k 3 --eagle-k 3 --verify-sizes 1,4 --acceptance-prompts 8 --no-hf --routing $routing \
-            --json "$out/projection-$routing.json"
-    done
+    run mixtral 420 python3 -m jaxspec.cli bench --shape $m --parts plain,forward,acceptance,eagle \
+        --batch-sizes 1,8,32,64 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,2,4,6 --eagle-k 1,2,3 \
+        --acceptance-prompts 8 --no-hf --json "$out/mixtral.json"
+    run mixtral-ops 120 python3 $costs --shape $m --skip step,verify --tokens 32
     ;;
 *)
-    echo "usage: $0 kernel|mixtral|projection" >&2
+    echo "usage: $0 qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
