@@ -58,17 +58,19 @@ def test_every_drafter_gives_plain_greedy_output(moe, tmp_path):
     assert jaxspec.generate(PROMPTS[:1], target, max_new_tokens=4)[0].stats.experts_per_layer is None
 
 
-@pytest.mark.parametrize("path", forward.EXPERT_PATHS)
-def test_every_expert_path_matches_transformers(moe, path):
+@pytest.mark.parametrize("path, router", [(p, "xla") for p in forward.EXPERT_PATHS] + [("kernel", "kernel")])
+def test_every_expert_path_matches_transformers(moe, path, router):
     """The grouped expert kernel (interpret mode), each (token, expert) pair's weights gathered,
-    or the pairs grouped by expert (jax.lax.ragged_dot), forced for every call: teacher-forced
-    logits of 3 x 20 tokens within transformers' float32 rounding."""
+    or the pairs grouped by expert (jax.lax.ragged_dot), forced for every call, and the router in
+    one kernel (pallas_kernels/router.py) before the expert kernel: teacher-forced logits of 3 x 20
+    tokens within transformers' float32 rounding."""
     target, _, _ = moe
     kind, overrides = TINY[target.config.model_type]
     hf = build_tiny_hf(kind, overrides, seed=1)
     tokens = np.random.default_rng(3).integers(0, target.config.vocab_size, (3, 20))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(forward, "FORCED_EXPERT_PATH", path)
+        mp.setattr(forward, "ROUTER_PATH", router)
         jax.clear_caches()
         got = engine_logits(target, tokens)
     jax.clear_caches()
@@ -292,3 +294,13 @@ def test_a_qwen3_moe_with_a_dense_layer_loads_converts_and_speculates(tmp_path, 
     adaptive = jaxspec.generate(PROMPTS, target, draft, adaptive_k=True, num_draft_tokens=3, max_batch_size=2,
                                 max_new_tokens=24, warn_below_acceptance=0.0)
     assert [o.token_ids for o in adaptive] == plain
+
+
+def test_the_measurement_switches_refuse_unknown_values_by_name():
+    from jaxspec.errors import InputError
+
+    with pytest.raises(InputError, match="JAXSPEC_EXPERT_PATH must be one of kernel, gather, ragged_dot, xla"):
+        forward._forced_expert_path("fast")
+    with pytest.raises(InputError, match="JAXSPEC_ROUTER must be one of xla, kernel"):
+        forward._router_path("fused")
+    assert forward._router_path("") == "xla" and forward._forced_expert_path("") is None

@@ -28,6 +28,7 @@ from jaxspec.model.weights import LayerWeights, Weights, weight_specs
 from pallas_kernels import rms_norm as rms_norm_kernel
 from pallas_kernels.causal_attention import causal_attention
 from pallas_kernels.experts import experts_mlp
+from pallas_kernels.router import router_topk
 from pallas_kernels.matmul import matmul
 from pallas_kernels.matvec import matvec
 from pallas_kernels.tree_attention import BLOCK_K, tree_attention
@@ -444,6 +445,45 @@ def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> st
     return "ragged_dot"
 
 
+# The router (norm aside: product, softmax, top-k, renormalization) by XLA's kernels, or in one
+# Pallas kernel (pallas_kernels/router.py) where JAXSPEC_ROUTER=kernel: on an H200 XLA's took
+# about 25 us a layer for one Qwen3-30B-A3B token (docs/moe.md); the fused kernel is not yet timed
+# on a GPU, so XLA's stays the default until it is (scripts/gpu_probes/moe_costs.py times both).
+# Deterministic mode keeps its own (the matmul kernel's product). Read when jaxspec is imported.
+ROUTER_PATHS = ("xla", "kernel")
+ROUTER_ENV = "JAXSPEC_ROUTER"
+
+
+def _router_path(value: str) -> str:
+    if value and value not in ROUTER_PATHS:
+        raise InputError(f"{ROUTER_ENV} must be one of {', '.join(ROUTER_PATHS)} (or unset); got {value!r}")
+    return value or "xla"
+
+
+ROUTER_PATH = _router_path(os.environ.get(ROUTER_ENV, ""))
+
+
+def route(c: ModelConfig, h, router, deterministic):
+    """The router's choices for the normed tokens h [b, t, d]: (weights [b, t, k] float32,
+    experts [b, t, k] int32), the softmax's top experts_per_token, renormalized when
+    norm_topk_prob."""
+    k = c.experts_per_token
+    if ROUTER_PATH == "kernel" and not deterministic and router.dtype == h.dtype:
+        b, t, d = h.shape
+        weights, experts = router_topk(h.reshape(b * t, d), router, k=k, normalize=c.norm_topk_prob,
+                                       interpret=_interpret())
+        return weights.reshape(b, t, k), experts.reshape(b, t, k)
+    return _route_xla(c, h, router, deterministic)
+
+
+def _route_xla(c: ModelConfig, h, router, deterministic):
+    probs = jax.nn.softmax(_router_logits(h, router, deterministic), axis=-1)
+    weights, experts = jax.lax.top_k(probs, c.experts_per_token)
+    if c.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
 def _router_logits(h, router, deterministic):
     """[b, t, E] float32. Deterministic: through the matmul kernel (its sums one order per row),
     the experts padded to its 16-column tiles."""
@@ -505,10 +545,7 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     b, t, d = x.shape
     k, e = c.experts_per_token, c.num_experts
     h = rms_norm(x, norm.weight, norm.eps, deterministic)
-    probs = jax.nn.softmax(_router_logits(h, w.router, deterministic), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)  # [b, t, k]
-    if c.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights, experts = route(c, h, w.router, deterministic)  # [b, t, k]
     leaves = jax.tree.leaves((w.experts_gate_up, w.experts_down))  # (8-bit: values and scales)
     held = leaves[0].shape[0]  # experts on this device: all, or E/N under expert parallelism
     first = 0 if held == e else lax.axis_index(axis) * held

@@ -13,14 +13,16 @@
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
   (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too); beside
   them, to see where a layer's time goes, the kernel path's pair layout alone (group_pairs and the
-  rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) and the whole MLP block as the
+  rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) by XLA and in one kernel
+  (pallas_kernels/router.py), and the whole MLP block as the
   engine runs it for those tokens (moe_mlp: router, its chosen path, combine, residual), us
   per call inside one jitted loop of --op-steps calls (so no call pays a dispatch; the H100 rows
   of 2026-12-06 in docs/moe.md were single calls, dispatch included), and each kernel's largest error against the float32 reference (relative to its
   largest output).
 
 The step and verify rows use the engine's own choice of expert path; JAXSPEC_EXPERT_PATH=gather
-(or ragged_dot, kernel) forces one, for a baseline in the same session.
+(or ragged_dot, kernel) forces one, for a baseline in the same session; JAXSPEC_ROUTER=kernel
+runs the router in one kernel.
 
     python3 scripts/gpu_probes/moe_costs.py --shape qwen3-30b-a3b-8l
     python3 scripts/gpu_probes/moe_costs.py --shape mixtral-8x7b-8l
@@ -51,6 +53,7 @@ from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
 from pallas_kernels.experts import experts_mlp, experts_mlp_reference
+from pallas_kernels.router import router_topk
 
 
 def emit(**row):
@@ -115,7 +118,7 @@ def main() -> int:
     sizes = layer_bytes(model)
     skip = set(args.skip.split(",")) | ({"expert_op"} if args.quantize else set())  # (its XLA paths take floats)
     emit(kind="machine", shape=args.shape, dtype=args.dtype, quantize=args.quantize, routing=args.routing, copy_gb_s=round(bw / 1e9, 1),
-         expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", **machine())
+         expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", router=fwd.ROUTER_PATH, **machine())
     emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
     rng = np.random.default_rng(0)
     loop, _ = DecodeMethod("plain").loop(model, None)
@@ -180,7 +183,12 @@ def main() -> int:
 
     def router(h, experts, wg, wd):  # norm, router product, softmax, top-k: what precedes any path
         hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)
-        return jax.lax.top_k(jax.nn.softmax(fwd._router_logits(hn, layer.router, False), axis=-1), k)[0]
+        return fwd._route_xla(c, hn, layer.router, False)[0]
+
+    def router_kernel(h, experts, wg, wd):  # the same in one kernel (pallas_kernels/router.py)
+        hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)[0]
+        return router_topk(hn, layer.router, k=k, normalize=c.norm_topk_prob,
+                           interpret=jax.default_backend() == "cpu")[0]
 
     def whole_layer(h, experts, wg, wd):  # the engine's MLP block as a step runs it (its path, combine, residual)
         norm = fwd.Norm(layer.mlp_norm, c.rms_norm_eps)
@@ -203,7 +211,7 @@ def main() -> int:
         paths = [("gather", gathered), ("ragged_dot", grouped)]
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
         paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
-                  ("moe_layer", whole_layer)]
+                  ("router_kernel", router_kernel), ("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
             looped = repeated(fn, args.op_steps)
@@ -222,7 +230,7 @@ def main() -> int:
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
              **{name.removesuffix("_us") + "_of_floor": round(floor_us / v, 3) for name, v in row.items()
-                if name.endswith("_us") and name not in ("layout_us", "layout_sort_us", "router_us")})
+                if name.endswith("_us") and name not in ("layout_us", "layout_sort_us", "router_us", "router_kernel_us")})
     return 0
 
 

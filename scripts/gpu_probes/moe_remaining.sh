@@ -3,11 +3,13 @@
 # written as it is measured (JSON lines under $OUT, or ./runs/moe). Compiling an 8-layer loop takes
 # about a minute, so each part has its own time limit inside the 10-minute call.
 #
+#   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes with the
+#                                                        # router by XLA and in one kernel (JAXSPEC_ROUTER), and the
+#                                                        # expert ops at 1 token (a block per pair now) and 64
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
-#   bash scripts/gpu_probes/moe_remaining.sh same        # the same at the locality bound, and the expert ops at 1 token
-#                                                        # (a block per pair now) and 64 tokens
+#   bash scripts/gpu_probes/moe_remaining.sh same        # the same at the locality bound
 #   bash scripts/gpu_probes/moe_remaining.sh mixtral     # Mixtral through the public API: plain B = 1-64, verify
 #                                                        # passes, EAGLE-3 rounds; its expert ops at 32 tokens
 #
@@ -35,12 +37,16 @@ bench_qwen3() {  # bench_qwen3 ROUTING SECONDS
 }
 
 case ${1:-} in
+router)
+    run qwen3-router-xla 150 python3 $costs --shape $q --batches 1,8 --ks 3 --skip expert_op
+    JAXSPEC_ROUTER=kernel run qwen3-router-kernel 150 python3 $costs --shape $q --batches 1,8 --ks 3 --skip expert_op
+    run qwen3-ops 150 python3 $costs --shape $q --skip step,verify --tokens 1,64
+    ;;
 qwen3)
     bench_qwen3 random 560
     ;;
 same)
-    bench_qwen3 same 400
-    run qwen3-ops 150 python3 $costs --shape $q --skip step,verify --tokens 1,64
+    bench_qwen3 same 560
     ;;
 mixtral)
     run mixtral 420 python3 -m jaxspec.cli bench --shape $m --parts plain,forward,acceptance,eagle \
@@ -49,7 +55,7 @@ mixtral)
     run mixtral-ops 120 python3 $costs --shape $m --skip step,verify --tokens 32
     ;;
 *)
-    echo "usage: $0 qwen3|same|mixtral" >&2
+    echo "usage: $0 router|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac

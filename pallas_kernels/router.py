@@ -1,0 +1,103 @@
+"""A mixture-of-experts router in one kernel (Pallas, Triton lowering: ROCm and CUDA): the logits
+h @ router in float32, their softmax over the experts, the top k by repeated argmax, and (when the
+model renormalizes) the chosen weights over their sum. XLA runs these as several kernels a layer
+(the product, the softmax's reductions, top_k, the renormalization): on an H200 the router of one
+Qwen3-30B-A3B token took about 25 us a layer that way (docs/moe.md), for 0.5 MB of weights.
+
+  h        [m, d]   the normed tokens
+  router   [d, E]   h's dtype
+  -> weights [m, k] float32, experts [m, k] int32, in lax.top_k's order: largest first, and of
+     equal probabilities the lower expert first
+
+Grid (m / BLOCK_M,): each program takes 16 rows and reads the whole router, block_k rows of it at
+a time, its sums in float32 in one order fixed by d: a row's choice is the same alone or among
+others. E is padded to a power of two (at least 16, Triton's smallest dot tile) with columns that
+take no probability; k to a power of two, its padding sliced off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.matmul import BLOCK_M, _dot, _largest_pow2_divisor
+
+DEFAULT_BLOCK_K = 128
+
+
+def _pow2_at_least(n: int, least: int = 1) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "block_k", "num_warps", "num_stages", "interpret"))
+def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = None, num_warps: int = 4,
+                num_stages: int = 3, interpret: bool = False):
+    """(weights [m, k] float32, experts [m, k] int32): see the module docstring. normalize: the
+    chosen weights divided by their sum (Qwen3-MoE's norm_topk_prob; Mixtral's softmax over its
+    chosen logits is the same). block_k: the tile down d (None: the largest power of two up to
+    128 that divides d); it fixes every sum's order, so it follows the router's shape."""
+    m, d = h.shape
+    if router.ndim != 2 or router.shape[0] != d:
+        raise ValueError(f"router_topk router must be [d={d}, E]; got {list(router.shape)}")
+    e = router.shape[1]
+    if not 1 <= k <= e:
+        raise ValueError(f"router_topk k must be between 1 and the expert count {e}; got {k}")
+    if router.dtype != h.dtype:
+        raise ValueError(f"router_topk router must be h's dtype {h.dtype}; got {router.dtype}")
+    block_k = _largest_pow2_divisor(d, block_k or DEFAULT_BLOCK_K, "d")
+    ep, kp = _pow2_at_least(e, 16), _pow2_at_least(k)
+    rows = -(-m // BLOCK_M) * BLOCK_M
+    h = jnp.pad(h, ((0, rows - m), (0, 0)))
+    router = jnp.pad(router, ((0, 0), (0, ep - e)))
+    weights, experts = pl.pallas_call(
+        functools.partial(_kernel, experts=e, k=k, block_k=block_k, normalize=normalize),
+        grid=(rows // BLOCK_M,),
+        in_specs=[pl.BlockSpec((BLOCK_M, d), lambda i: (i, 0)), pl.BlockSpec((d, ep), lambda i: (0, 0))],
+        out_specs=[pl.BlockSpec((BLOCK_M, kp), lambda i: (i, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((rows, kp), jnp.float32), jax.ShapeDtypeStruct((rows, kp), jnp.int32)],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="router_topk",
+    )(h, router)
+    return weights[:m, :k], experts[:m, :k]
+
+
+def _kernel(h_ref, r_ref, w_ref, x_ref, *, experts: int, k: int, block_k: int, normalize: bool):
+    rows, d = h_ref.shape
+    ep = r_ref.shape[1]
+
+    def step(i, acc):
+        at = pl.multiple_of(i * block_k, block_k)
+        return acc + _dot(h_ref[:, pl.ds(at, block_k)], r_ref[pl.ds(at, block_k), :])
+
+    logits = lax.fori_loop(0, d // block_k, step, jnp.zeros((rows, ep), jnp.float32))
+    col = lax.broadcasted_iota(jnp.int32, (rows, ep), 1)
+    logits = jnp.where(col < experts, logits, -jnp.inf)  # the padding columns: no probability
+    p = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+    probs = p / jnp.sum(p, axis=1, keepdims=True)
+    slot = lax.broadcasted_iota(jnp.int32, (rows, w_ref.shape[1]), 1)
+    weights = jnp.zeros(slot.shape, jnp.float32)
+    chosen = jnp.zeros(slot.shape, jnp.int32)
+    for j in range(k):  # the largest left, the lower expert of equals (argmax's rule, as lax.top_k's)
+        best = jnp.argmax(probs, axis=1).astype(jnp.int32)
+        weights = jnp.where(slot == j, jnp.max(probs, axis=1)[:, None], weights)
+        chosen = jnp.where(slot == j, best[:, None], chosen)
+        probs = jnp.where(col == best[:, None], -1.0, probs)  # probabilities are >= 0: never again
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=1, keepdims=True)  # (the padding slots hold 0)
+    w_ref[...] = weights
+    x_ref[...] = chosen
+
+
+def router_topk_reference(h, router, *, k: int, normalize: bool):
+    """Plain-JAX float32 reference, written independently of the kernel."""
+    logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    weights, experts = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
