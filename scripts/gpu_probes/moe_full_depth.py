@@ -26,6 +26,10 @@ FULL_DEPTH = {"qwen3-30b-a3b-8l": 48, "mixtral-8x7b-8l": 32}
 
 def full_depth_rows(run: dict) -> list[dict]:
     shape = run["args"]["shape"]
+    if shape not in FULL_DEPTH:
+        raise SystemExit(f"moe_full_depth: shape {shape!r} is not an 8-layer MoE shape ({', '.join(FULL_DEPTH)})")
+    if run["args"].get("quantize") or run["args"].get("dtype") not in (None, "bfloat16"):
+        raise SystemExit("moe_full_depth: bf16 runs only (the LM head's bytes are counted at 2 a weight)")
     config, layers = SHAPES[shape], FULL_DEPTH[shape]
     measured = config["num_hidden_layers"]
     head_ms = config["vocab_size"] * config["hidden_size"] * 2 / run["ceilings"]["floor_bandwidth"] * 1e3
