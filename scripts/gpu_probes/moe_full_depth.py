@@ -18,6 +18,7 @@ over separate calls (the run's negative "overhead") is left out, so the estimate
 
 import argparse
 import json
+from pathlib import Path
 
 from jaxspec.bench.shapes import SHAPES
 
@@ -59,12 +60,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="jaxspec bench --json files of an 8-layer MoE shape")
     args = parser.parse_args()
-    print("| routing | method | layers | plain ms | verify ms | draft ms | tokens / round | projected, 8 layers | projected, full depth |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | routing | method | layers | plain ms | verify ms | draft ms | tokens / round | projected, 8 layers | projected, full depth |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in args.runs:
         with open(path) as f:
             for r in full_depth_rows(json.load(f)):
-                print(f"| {r['routing']} | {r['method']} | {r['layers']} | {r['plain_ms']:.2f} | {r['verify_ms']:.2f} "
+                print(f"| {Path(path).stem} | {r['routing']} | {r['method']} | {r['layers']} | {r['plain_ms']:.2f} | {r['verify_ms']:.2f} "
                       f"| {r['draft_ms']:.2f} | {r['tokens_per_round']:.2f} | {r['projected_8_layers']:.2f}x "
                       f"| {r['projected_full_depth']:.2f}x |")
 
