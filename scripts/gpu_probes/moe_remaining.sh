@@ -11,7 +11,7 @@
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
 #   bash scripts/gpu_probes/moe_remaining.sh same        # the same at the locality bound
 #   bash scripts/gpu_probes/moe_remaining.sh mixtral     # Mixtral through the public API: plain B = 1-64, verify
-#                                                        # passes, EAGLE-3 rounds; its expert ops at 32 tokens
+#                                                        # passes, EAGLE-3 rounds, under both routings
 #
 # Then: python3 scripts/gpu_probes/moe_full_depth.py $OUT/*.json (the projections at full depth).
 set -u
@@ -49,10 +49,12 @@ same)
     bench_qwen3 same 560
     ;;
 mixtral)
-    run mixtral 420 python3 -m jaxspec.cli bench --shape $m --parts plain,forward,acceptance,eagle \
-        --batch-sizes 1,8,32,64 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,2,4,6 --eagle-k 1,2,3 \
-        --acceptance-prompts 8 --no-hf --json "$out/mixtral.json"
-    run mixtral-ops 120 python3 $costs --shape $m --skip step,verify --tokens 32
+    run mixtral-random 330 python3 -m jaxspec.cli bench --shape $m --parts plain,forward,acceptance,eagle \
+        --batch-sizes 1,8,32,64 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,2,3,4,6 --eagle-k 1,2,3 \
+        --acceptance-prompts 8 --no-hf --routing random --json "$out/mixtral-random.json"
+    run mixtral-same 220 python3 -m jaxspec.cli bench --shape $m --parts plain,forward,acceptance,eagle \
+        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,2,4 --eagle-k 1,3 \
+        --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
     echo "usage: $0 router|qwen3|same|mixtral" >&2
