@@ -185,9 +185,9 @@ def main() -> int:
         hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)
         return fwd._route_xla(c, hn, layer.router, False)[0]
 
-    def router_kernel(h, experts, wg, wd):  # the same in one kernel (pallas_kernels/router.py)
+    def router_kernel(h, experts, wg, wd, num_warps=4):  # the same in one kernel (pallas_kernels/router.py)
         hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)[0]
-        return router_topk(hn, layer.router, k=k, normalize=c.norm_topk_prob,
+        return router_topk(hn, layer.router, k=k, normalize=c.norm_topk_prob, num_warps=num_warps,
                            interpret=jax.default_backend() == "cpu")[0]
 
     def whole_layer(h, experts, wg, wd):  # the engine's MLP block as a step runs it (its path, combine, residual)
@@ -211,7 +211,8 @@ def main() -> int:
         paths = [("gather", gathered), ("ragged_dot", grouped)]
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
         paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
-                  ("router_kernel", router_kernel), ("moe_layer", whole_layer)]
+                  ("router_kernel", router_kernel), ("router_kernel_8_warps", functools.partial(router_kernel, num_warps=8)),
+                  ("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
             looped = repeated(fn, args.op_steps)
@@ -230,7 +231,7 @@ def main() -> int:
         floor_us = 1e6 * unique * sizes["expert"] / bw
         emit(kind="expert_op", tokens=t, unique_experts=unique, floor_us=round(floor_us, 1), **row,
              **{name.removesuffix("_us") + "_of_floor": round(floor_us / v, 3) for name, v in row.items()
-                if name.endswith("_us") and name not in ("layout_us", "layout_sort_us", "router_us", "router_kernel_us")})
+                if name.endswith("_us") and not name.startswith(("layout", "router"))})
     return 0
 
 
