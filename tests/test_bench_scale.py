@@ -217,7 +217,7 @@ def test_a_random_head_for_a_qwen3_moe_target_is_a_llama_layer_that_drafts():
     assert outs[0].token_ids == jaxspec.generate([[5, 17, 33, 9]], target, max_new_tokens=6)[0].token_ids
 
 
-def test_an_moe_targets_forward_rows_count_the_experts_its_distinct_tokens_read(tmp_path):
+def test_an_moe_targets_forward_rows_count_the_experts_its_distinct_tokens_read(tmp_path, capsys):
     """A verify pass's t tokens are distinct (t copies of one token would read one token's experts),
     and the row reports the experts they read with the floor of those bytes."""
     out = tmp_path / "bench.json"
@@ -228,6 +228,7 @@ def test_an_moe_targets_forward_rows_count_the_experts_its_distinct_tokens_read(
     assert rows["t=1"]["experts_per_layer"] == c.experts_per_token
     assert c.experts_per_token < rows["t=4"]["experts_per_layer"] <= c.num_experts
     assert 0 < rows["t=1"]["floor_ms"] < rows["t=4"]["floor_ms"] and rows["t=4"]["of_floor"] > 0
+    assert f"{rows['t=4']['experts_per_layer']:.1f} experts/layer |" in capsys.readouterr().out
 
 
 def test_the_full_depth_script_scales_the_targets_layers_and_keeps_the_drafts_time(monkeypatch):

@@ -480,6 +480,8 @@ def _print_summary(result: dict) -> None:
                   f"{r['tokens_per_s']:.1f} | {r['of_floor']:.2f} of {r['floor_ms']:.2f} ms |")
         elif part == "forward":
             rel = f"{r['vs_one_token']:.2f}x" if r["vs_one_token"] else "-"
+            if "experts_per_layer" in r:
+                rel += f"; {r['of_floor']:.2f} of {r['floor_ms']:.2f} ms, {r['experts_per_layer']:.1f} experts/layer"
             print(f"| forward | {r['model']} {r['size']} | {r['ms']:.2f} | - | {rel} |")
         elif part in ("draft_step", "head_step"):
             print(f"| {part.replace('_', ' ')} | {r['model']} | {r['ms']:.2f} | - | {r['of_floor']:.2f} of "
