@@ -158,10 +158,12 @@ def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attenti
     mask = jnp.asarray(chunk_mask)
     cache = KVCache.create(model.config, batch, cap, model.dtype, stacked=not isinstance(model.weights.layers, tuple),
                            mesh=model.weights.mesh)
-    # lengths placed as the loop hands them back (over a mesh: whole on each device), or the
-    # second call would compile the loop again for another input sharding
-    lengths = jax.device_put(jnp.full((batch,), prefix, jnp.int32), cache.lengths.sharding)
-    state = {"cache": cache.replace(lengths=lengths)}
+    # the cache placed as the loop hands it back (committed to its devices; lengths, over a mesh,
+    # whole on each device), or the second call would compile the loop again for another input
+    # sharding: a minute of an 8-layer shape's compile on a GPU, and the first timed call
+    lengths = jnp.full((batch,), prefix, jnp.int32, device=cache.lengths.sharding)
+    cache = jax.tree.map(lambda a: jax.device_put(a, a.sharding), cache.replace(lengths=lengths))
+    state = {"cache": cache}
 
     def run():  # the loop donates the cache and hands it back for the next call
         state["cache"], acc = _forward_loop(model.weights, state["cache"], tokens, positions, mask,
