@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.bench.common import best_seconds, machine
+from jaxspec.bench.common import best_seconds, committed, machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.schedulers import lengths_cases, lognormal_requests, scheduler_rows
 from jaxspec.bench.eagle_costs import head_ms, head_step_bytes
@@ -162,8 +162,7 @@ def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attenti
     # whole on each device), or the second call would compile the loop again for another input
     # sharding: a minute of an 8-layer shape's compile on a GPU, and the first timed call
     lengths = jnp.full((batch,), prefix, jnp.int32, device=cache.lengths.sharding)
-    cache = jax.tree.map(lambda a: jax.device_put(a, a.sharding), cache.replace(lengths=lengths))
-    state = {"cache": cache}
+    state = {"cache": committed(cache.replace(lengths=lengths))}
 
     def run():  # the loop donates the cache and hands it back for the next call
         state["cache"], acc = _forward_loop(model.weights, state["cache"], tokens, positions, mask,
