@@ -247,7 +247,7 @@ def test_the_full_depth_script_scales_the_targets_layers_and_keeps_the_drafts_ti
 
 def test_a_forward_loop_compiles_once_however_often_it_runs():
     """The cache goes in as the loop hands it back (committed to its device): before, the second
-    call compiled again, a minute at an 8-layer MoE shape on a GPU, timed as a pass."""
+    call compiled again (at --repeats 1, in the timed call)."""
     from jaxspec.bench.scale import _forward_loop, forward_loop
 
     run = forward_loop(random_model("tiny", "float32"), 1, 40, np.tril(np.ones((3, 3), bool)), "xla", 2)

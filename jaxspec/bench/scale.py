@@ -160,7 +160,7 @@ def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attenti
                            mesh=model.weights.mesh)
     # the cache placed as the loop hands it back (committed to its devices; lengths, over a mesh,
     # whole on each device), or the second call would compile the loop again for another input
-    # sharding: a minute of an 8-layer shape's compile on a GPU, and the first timed call
+    # sharding, once more per row (and, at --repeats 1, in the timed call)
     lengths = jnp.full((batch,), prefix, jnp.int32, device=cache.lengths.sharding)
     state = {"cache": committed(cache.replace(lengths=lengths))}
 
