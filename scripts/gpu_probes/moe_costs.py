@@ -6,7 +6,8 @@
   two budgets, so the prefill cancels), the unique experts its tokens chose per layer (forward's
   routing, in a separate, untimed pass), and the fraction of the
   floor of the bytes it must read (embedding rows aside: every layer's attention and router, the
-  union of chosen experts, the LM head) at the device's copy bandwidth;
+  union of chosen experts, the LM head) at the device's copy bandwidth (the faster of torch's
+  and JAX's device copies, as `jaxspec bench`; before 2026-12-07, JAX's alone);
 - verify: one forward pass over K + 1 tokens per row (a chain's verify pass) against one token,
   with the unique experts of those tokens: what a verify round costs relative to a plain step;
 - expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
@@ -32,9 +33,11 @@ runs the router in one kernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +46,7 @@ import numpy as np
 import jaxspec.model.forward as fwd
 from jaxspec.bench.common import best_seconds, machine
 from jaxspec.bench.experts import ROUTINGS, one_expert_bytes, unique_experts, with_routing
+from jaxspec.bench.scale import run_hf_peer
 from jaxspec.bench.shapes import random_model
 from jaxspec.decoding.loop import decode
 from jaxspec.decoding.method import DecodeMethod
@@ -112,12 +116,18 @@ def main() -> int:
                    help="random routers, or zeroed ones so every token chooses the same experts (the locality bound)")
     p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
     args = p.parse_args()
+    # torch's device copy, in its own process before JAX holds the GPU (none on the CPU): faster
+    # than JAX's, so the floor is the one `jaxspec bench` uses (docs/moe.md, "The floor")
+    with contextlib.redirect_stdout(sys.stderr):  # (its complaint, on the CPU, is no JSON row)
+        torch_bw = run_hf_peer(None, copy_only=True).get("copy_bandwidth")
     model = with_routing(random_model(args.shape, args.dtype, quantize=args.quantize), args.routing)
     c = model.config
-    bw = copy_bandwidth()
+    jax_bw = copy_bandwidth()
+    bw = max(jax_bw, torch_bw or 0)
     sizes = layer_bytes(model)
     skip = set(args.skip.split(",")) | ({"expert_op"} if args.quantize else set())  # (its XLA paths take floats)
     emit(kind="machine", shape=args.shape, dtype=args.dtype, quantize=args.quantize, routing=args.routing, copy_gb_s=round(bw / 1e9, 1),
+         jax_copy_gb_s=round(jax_bw / 1e9, 1), torch_copy_gb_s=torch_bw and round(torch_bw / 1e9, 1),
          expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", router=fwd.ROUTER_PATH, **machine())
     emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
     rng = np.random.default_rng(0)
