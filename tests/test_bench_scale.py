@@ -255,3 +255,17 @@ def test_a_forward_loop_compiles_once_however_often_it_runs():
     for _ in range(3):
         run()
     assert _forward_loop._cache_size() == before + 1
+
+
+def test_the_moe_costs_script_prints_every_row_kind_on_a_tiny_shape(monkeypatch, capsys):
+    """The device probe of docs/moe.md, run as a check on the CPU (kernels in interpret mode): a
+    row of each kind, the kernel's output equal to the float32 reference, both routers timed."""
+    module = _script("moe_costs", monkeypatch)
+    monkeypatch.setattr("sys.argv", ["moe_costs", "--shape", "tiny-moe", "--dtype", "float32", "--batches", "1",
+                                     "--ks", "1", "--tokens", "2", "--repeats", "1", "--op-steps", "1"])
+    assert module.main() == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["kind"] for r in rows] == ["machine", "layer", "step", "verify", "verify", "expert_op"]
+    op = rows[-1]
+    assert op["kernel_128_4_3_rel_err"] < 1e-5 and op["router_us"] > 0 and op["router_kernel_us"] > 0
+    assert rows[2]["unique_experts_per_layer"] == 4 and rows[4]["unique_experts_per_layer"] > 4
