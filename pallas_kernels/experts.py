@@ -186,15 +186,28 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     return lax.platform_dependent(*operands, default=on("default"), **{p: on(p) for p in set(NATIVE_FP8) | set(BLOCK_N)})
 
 
-def one_token_blocks(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M):
-    """group_pairs' (slot, block_expert) for one token's k pairs, with nothing to compute: a block
-    each, in the router's order (its k experts are distinct, so each is still read once; a
-    repeated one would be read twice, still correctly). A row's sums do not depend on its block,
-    so the token's bits are group_pairs'. A decode step at batch 1 skips the grouping's kernels."""
-    kept = (experts >= 0) & (experts < num_experts)
+def _grouped_layout(h, experts, num_experts: int):
+    """(x, block_expert, read_back) for m tokens' pairs (experts [m * k]) by group_pairs: the rows
+    scattered into their blocks, each pair's output gathered back from its row."""
+    slot, block_expert = group_pairs(experts, num_experts)
+    k = experts.shape[0] // h.shape[0]
+    x = jnp.zeros((block_expert.shape[0] * BLOCK_M, h.shape[1]), h.dtype).at[slot].set(
+        jnp.repeat(h, k, axis=0), mode="drop")
+    return x, block_expert, lambda out: jnp.take(out, slot, axis=0, mode="fill", fill_value=0)
+
+
+def _one_token_layout(h, experts, num_experts: int):
+    """The same for one token (h [1, d]), with nothing to compute: a block per pair in the router's
+    order (its k experts are distinct, so each is still read once; a repeated one would be read
+    twice, still correctly), x a padded copy of the token, each output the first row of its
+    block: no grouping, scatter or gather kernels in a decode step at batch 1. A row's sums do not
+    depend on its block, so the token's bits are the grouped layout's."""
     k = experts.shape[0]
-    slot = jnp.where(kept, jnp.arange(k, dtype=jnp.int32) * block_m, k * block_m).astype(jnp.int32)
-    return slot, jnp.where(kept, experts, -1).astype(jnp.int32)
+    kept = (experts >= 0) & (experts < num_experts)  # (pairs routed to another device: skipped)
+    x = jnp.pad(jnp.broadcast_to(h, (k, 1, h.shape[1])), ((0, 0), (0, BLOCK_M - 1), (0, 0))).reshape(k * BLOCK_M, -1)
+    # (a skipped block's rows are never written: where, not a product, keeps them out)
+    read_back = lambda out: jnp.where(kept[:, None], out.reshape(k, BLOCK_M, -1)[:, 0], 0)  # noqa: E731
+    return x, jnp.where(kept, experts, -1).astype(jnp.int32), read_back
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
@@ -209,13 +222,12 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     alone). tiles: expert_matmul's block_n, num_warps, num_stages (to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
-    slot, block_expert = (one_token_blocks if m == 1 else group_pairs)((experts - first_expert).reshape(-1), e)
-    rows = block_expert.shape[0] * BLOCK_M
-    x = jnp.zeros((rows, h.shape[1]), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
+    layout = _one_token_layout if m == 1 else _grouped_layout
+    x, block_expert, read_back = layout(h, (experts - first_expert).reshape(-1), e)
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
     act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, **kw)
     out = expert_matmul(act, down, block_expert, down_scale, out_dtype=jnp.float32, **kw)
-    pairs = jnp.take(out, slot, axis=0, mode="fill", fill_value=0) * weights.reshape(-1, 1)
+    pairs = read_back(out) * weights.reshape(-1, 1)
     pairs = pairs.reshape(m, k, -1)
     total = pairs[:, 0]
     for j in range(1, k):  # in a fixed order

@@ -104,7 +104,7 @@ def test_a_token_gives_the_same_bits_alone_and_among_others(fmt):
         assert np.array_equal(alone[0], batch[i])
 
 
-@pytest.mark.parametrize("m", [1, 5])  # one token: a block per pair (one_token_blocks)
+@pytest.mark.parametrize("m", [1, 5])  # one token: a block per pair (_one_token_layout)
 def test_experts_split_over_devices_add_up_to_the_whole(m):
     """Expert parallelism: each device's experts (first_expert on) give the pairs routed to them,
     the others nothing; the shares add up to all experts' output."""
@@ -172,3 +172,19 @@ def test_the_experts_mlp_lowers_for_a_gpu_without_loops():
     with use_abstract_mesh(mesh):
         text = jax.jit(experts_mlp).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2 and "stablehlo.while" not in text and "stablehlo.sort" not in text
+
+
+def test_one_tokens_experts_lower_for_a_gpu_without_grouping_scatter_or_gather():
+    """A decode step at batch 1: its k pairs take a block each, x is a padded copy of the token
+    and each output the first row of its block, so nothing is computed or moved but the two
+    kernels' work (the grouped layout's counts, scatter and gather were kernels of their own)."""
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    k, e, d, f = 8, 128, 2048, 768
+    args = (jax.ShapeDtypeStruct((1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32),
+            jax.ShapeDtypeStruct((1, k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2, f), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, f, d), jnp.bfloat16))
+    with use_abstract_mesh(mesh):
+        text = jax.jit(experts_mlp).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert not any(op in text for op in ("stablehlo.scatter", "stablehlo.gather", "stablehlo.while", "stablehlo.sort"))
+
