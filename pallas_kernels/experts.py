@@ -211,7 +211,7 @@ def _one_token_layout(h, experts, num_experts: int):
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
-                first_expert=0, interpret: bool = False, **tiles):
+                first_expert=0, interpret: bool = False, grouped: bool = False, **tiles):
     """The experts of a mixture-of-experts MLP through expert_matmul: h [m, d] normed tokens,
     experts and weights [m, k] the router's choices (global expert ids) and their weights,
     gate_up [E, d, 2, f] and down [E, f, d] the experts held here, whose first is first_expert
@@ -219,10 +219,11 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     (gate_up [E, 2, f, d], down [E, d, f]) with float32 scales gate_up_scale [E, 2, f] and
     down_scale [E, d] (each expert's own, per output channel). -> [m, d] float32: each token's
     weighted expert outputs, summed over its k choices in order (so the sum too is the token's
-    alone). tiles: expert_matmul's block_n, num_warps, num_stages (to measure them)."""
+    alone). tiles: expert_matmul's block_n, num_warps, num_stages; grouped: the grouped layout
+    even for one token (both to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
-    layout = _one_token_layout if m == 1 else _grouped_layout
+    layout = _one_token_layout if m == 1 and not grouped else _grouped_layout
     x, block_expert, read_back = layout(h, (experts - first_expert).reshape(-1), e)
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
     act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, **kw)

@@ -12,7 +12,8 @@
   with the unique experts of those tokens: what a verify round costs relative to a plain step;
 - expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
-  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too); beside
+  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too; at one
+  token also with the grouped layout the one-token layout replaced, `_grouped`); beside
   them, to see where a layer's time goes, the kernel path's pair layout alone (group_pairs and the
   rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) by XLA and in one kernel
   (pallas_kernels/router.py), and the whole MLP block as the
@@ -205,9 +206,10 @@ def main() -> int:
         return fwd.moe_mlp(c, layer, h[None], None, False, norm, residual=h[None])[0]
 
     tiles = [tuple(int(v) for v in t.split("/")) for t in args.tiles.split(",") if t]
-    kernels = {f"kernel_{n}_{w}_{st}": jax.jit(functools.partial(experts_mlp, block_n=n, num_warps=w, num_stages=st,
-                                                                          interpret=jax.default_backend() == "cpu"))
-               for n, w, st in tiles}
+    def kernels(grouped=False):  # the grouped layout even for one token: the one the engine's replaced
+        return {f"kernel_{n}_{w}_{st}" + ("_grouped" if grouped else ""): jax.jit(functools.partial(
+            experts_mlp, block_n=n, num_warps=w, num_stages=st, grouped=grouped,
+            interpret=jax.default_backend() == "cpu")) for n, w, st in tiles}
     for t in (int(x) for x in args.tokens.split(",") if x and "expert_op" not in skip):
         if t * k * sizes["expert"] > 0.25 * (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 2**62):
             emit(kind="expert_op", tokens=t, skipped="the gather path's per-pair weight copies would not fit")
@@ -219,7 +221,8 @@ def main() -> int:
         row = {}
         ref = np.asarray(experts_mlp_reference(h, experts, weights, layer.experts_gate_up, layer.experts_down))
         paths = [("gather", gathered), ("ragged_dot", grouped)]
-        paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d)) for name, fn in kernels.items()]
+        paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d))
+                  for name, fn in (kernels() | (kernels(grouped=True) if t == 1 else {})).items()]
         paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
                   ("router_kernel", router_kernel), ("router_kernel_8_warps", functools.partial(router_kernel, num_warps=8)),
                   ("moe_layer", whole_layer)]
