@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes with the
 #                                                        # router by XLA and in one kernel (JAXSPEC_ROUTER), and the
-#                                                        # expert ops at 1 token (a block per pair now) and 64
+#                                                        # expert ops at 1 token (the one-token layout against the
+#                                                        # grouped one, in the same call) and 64
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
