@@ -109,8 +109,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", default="17,49")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--tiles", default="128/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
-                   "to time, comma-separated (default: the engine's on CUDA, pallas_kernels/experts.py BLOCK_N)")
+    p.add_argument("--tiles", default="0/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
+                   "to time, comma-separated; block_n 0 (named 'auto'): the engine's choice (pallas_kernels/experts.py "
+                   "BLOCK_N, narrowed to fill the GPU)")
     p.add_argument("--quantize", choices=SCHEMES, help="8-bit experts and projections (step and verify rows only)")
     p.add_argument("--op-steps", type=int, default=16, help="expert-op calls per timed loop (dispatch paid once)")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
@@ -207,8 +208,8 @@ def main() -> int:
 
     tiles = [tuple(int(v) for v in t.split("/")) for t in args.tiles.split(",") if t]
     def kernels(grouped=False):  # the grouped layout even for one token: the one the engine's replaced
-        return {f"kernel_{n}_{w}_{st}" + ("_grouped" if grouped else ""): jax.jit(functools.partial(
-            experts_mlp, block_n=n, num_warps=w, num_stages=st, grouped=grouped,
+        return {f"kernel_{n or 'auto'}_{w}_{st}" + ("_grouped" if grouped else ""): jax.jit(functools.partial(
+            experts_mlp, block_n=n or None, num_warps=w, num_stages=st, grouped=grouped,
             interpret=jax.default_backend() == "cpu")) for n, w, st in tiles}
     for t in (int(x) for x in args.tokens.split(",") if x and "expert_op" not in skip):
         if t * k * sizes["expert"] > 0.25 * (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 2**62):

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes with the
 #                                                        # router by XLA and in one kernel (JAXSPEC_ROUTER), and the
 #                                                        # expert ops at 1 token (the one-token layout against the
-#                                                        # grouped one, in the same call) and 64
+#                                                        # grouped one, and the column tiles) and 64
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -41,7 +41,10 @@ case ${1:-} in
 router)
     run qwen3-router-xla 150 python3 $costs --shape $q --batches 1,8 --ks 3 --skip expert_op
     JAXSPEC_ROUTER=kernel run qwen3-router-kernel 150 python3 $costs --shape $q --batches 1,8 --ks 3 --skip expert_op
-    run qwen3-ops 150 python3 $costs --shape $q --skip step,verify --tokens 1,64
+    run qwen3-ops-1 120 python3 $costs --shape $q --skip step,verify --tokens 1 \
+        --tiles 0/4/3,128/4/3,64/4/3,32/4/3,16/4/3,32/2/3,32/4/4,16/4/4
+    run qwen3-ops-64 90 python3 $costs --shape $q --skip step,verify --tokens 64
+    grep -h '"step"\|"verify"' "$out"/qwen3-router-*.jsonl
     ;;
 qwen3)
     bench_qwen3 random 560
