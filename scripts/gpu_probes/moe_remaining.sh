@@ -3,8 +3,9 @@
 # written as it is measured (JSON lines under $OUT, or ./runs/moe). Compiling an 8-layer loop takes
 # about a minute, so each part has its own time limit inside the 10-minute call.
 #
-#   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes with the
-#                                                        # router by XLA and in one kernel (JAXSPEC_ROUTER), and the
+#   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes (jaxspec
+#                                                        # bench) with the router in one kernel and by XLA
+#                                                        # (JAXSPEC_ROUTER), and the
 #                                                        # expert ops at 1 token (the one-token layout against the
 #                                                        # grouped one, and the column tiles) and 64
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
@@ -39,12 +40,15 @@ bench_qwen3() {  # bench_qwen3 ROUTING SECONDS
 
 case ${1:-} in
 router)
-    run qwen3-router-xla 150 python3 $costs --shape $q --batches 1,8 --ks 3 --skip expert_op
-    JAXSPEC_ROUTER=kernel run qwen3-router-kernel 150 python3 $costs --shape $q --batches 1,8 --ks 3 --skip expert_op
+    for r in kernel xla; do  # the plain step and a K = 3 pass through the public API, by each router
+        JAXSPEC_ROUTER=$r run qwen3-router-$r 150 python3 -m jaxspec.cli bench --shape $q --parts plain,forward \
+            --batch-sizes 1,8 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,4 --spec-k 3 --no-hf \
+            --routing random --json "$out/qwen3-router-$r.json"
+    done
     run qwen3-ops-1 120 python3 $costs --shape $q --skip step,verify --tokens 1 \
         --tiles 0/4/3,128/4/3,64/4/3,32/4/3,16/4/3,32/2/3,32/4/4,16/4/4
     run qwen3-ops-64 90 python3 $costs --shape $q --skip step,verify --tokens 64
-    grep -h '"step"\|"verify"' "$out"/qwen3-router-*.jsonl
+    grep -h '"plain"\|"forward"' "$out"/qwen3-router-*.jsonl | cut -c1-250
     ;;
 qwen3)
     bench_qwen3 random 560
