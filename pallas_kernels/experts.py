@@ -19,9 +19,9 @@ Layout (group_pairs builds it from the router's choices):
 Grid (blocks, n / block_n): program (i, j) loads expert block_expert[i]'s [block_k, block_n] tiles
 (gate's and up's, gated) down k in a fixed order, one float32 accumulator; blocks with no expert
 return at once. block_k depends on k only and every dot is [BLOCK_M, block_k] x [block_k, block_n]
-(block_n only picks which columns a program sums, and narrows when there are few blocks), so a
-row's sums have one order whatever the other rows are: the same token gives the same bits alone,
-in a batch or in a verify pass (deterministic mode; issue 25).
+(block_n only picks which columns a program sums), so a row's sums have one order whatever the
+other rows are: the same token gives the same bits alone, in a batch or in a verify pass
+(deterministic mode; issue 25).
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ DEFAULT_BLOCK_N = 64
 # Elsewhere 64 (MI300's LDS is 64 KB, and no MI300 was at hand to measure). Column tiles change
 # no sum's order, so no bit.
 BLOCK_N = {"cuda": 128}
-# Fewer blocks than this many programs (one token's 8 blocks: 48 programs of 128 columns for
-# Qwen3-30B-A3B's gate and up) leave multiprocessors idle (132 on an H100 or H200), so the columns
-# halve, down to 16, until the grid fills them. Columns change no sum's order: the token's bits
-# stay those of any batch.
-FILL_PROGRAMS = 132
 
 
 # Up to this many (token, expert) pairs group_pairs ranks each pair among its expert's by comparing
@@ -139,9 +134,9 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     does. w_nk: w channels first, [E, n, k] or gated [E, 2, n, k] (8-bit experts are kept so).
     scale: float32 per expert and output column, [E, n] or gated [E, 2, n] (None: unscaled),
     applied to the float32 sums before the epilogue. block_k, block_n: the tiles (None: the
-    largest powers of two up to DEFAULT_BLOCK_K and the platform's BLOCK_N that divide k and n,
-    the columns halved while the grid has fewer than FILL_PROGRAMS programs). block_k fixes the
-    order of every sum, so it follows the weights' shape, never the rows; block_n fixes none."""
+    largest powers of two up to DEFAULT_BLOCK_K and the platform's BLOCK_N that divide k and n).
+    block_k fixes the order of every sum, so it follows the weights' shape, never the rows;
+    block_n fixes none."""
     if fmt not in FORMATS:
         raise ValueError(f"expert_matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     s, k = x.shape
@@ -168,8 +163,6 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     def on(platform):
         native = fmt == "fp8" and platform in NATIVE_FP8
         columns = _largest_pow2_divisor(n, block_n or BLOCK_N.get(platform, DEFAULT_BLOCK_N), "n")
-        while not block_n and columns > 16 and (s // BLOCK_M) * (n // columns) < FILL_PROGRAMS:
-            columns //= 2
         kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native)
 
         def call(block_expert, x, w, s32):

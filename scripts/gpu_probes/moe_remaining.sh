@@ -5,9 +5,10 @@
 #
 #   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes (jaxspec
 #                                                        # bench) with the router in one kernel and by XLA
-#                                                        # (JAXSPEC_ROUTER), and the
-#                                                        # expert ops at 1 token (the one-token layout against the
-#                                                        # grouped one, and the column tiles) and 64
+#                                                        # (JAXSPEC_ROUTER); the expert ops at 1 token (the one-token
+#                                                        # layout against the grouped one; column tiles of 128 down
+#                                                        # to 16: one token's 8 blocks fill 48 of 132 multiprocessors
+#                                                        # at 128, but 64 ran slower than 128 on 2026-12-06) and 64
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
