@@ -188,10 +188,10 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     return lax.platform_dependent(*operands, default=on("default"), **{p: on(p) for p in set(NATIVE_FP8) | set(BLOCK_N)})
 
 
-def _grouped_layout(h, experts, num_experts: int):
-    """(x, block_expert, read_back) for m tokens' pairs (experts [m * k]) by group_pairs: the rows
-    scattered into their blocks, each pair's output gathered back from its row."""
-    slot, block_expert = group_pairs(experts, num_experts)
+def grouped_layout(h, experts, num_experts: int, method: str | None = None):
+    """(x, block_expert, read_back) for m tokens' pairs (experts [m * k]) by group_pairs (method:
+    its own): the rows scattered into their blocks, each pair's output gathered back from its row."""
+    slot, block_expert = group_pairs(experts, num_experts, method=method)
     k = experts.shape[0] // h.shape[0]
     x = jnp.zeros((block_expert.shape[0] * BLOCK_M, h.shape[1]), h.dtype).at[slot].set(
         jnp.repeat(h, k, axis=0), mode="drop")
@@ -225,7 +225,7 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     even for one token (both to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
-    layout = _one_token_layout if m == 1 and not grouped else _grouped_layout
+    layout = _one_token_layout if m == 1 and not grouped else grouped_layout
     x, block_expert, read_back = layout(h, (experts - first_expert).reshape(-1), e)
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
     act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, **kw)

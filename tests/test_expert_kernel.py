@@ -189,7 +189,6 @@ def test_one_tokens_experts_lower_for_a_gpu_without_grouping_scatter_or_gather()
     assert not any(op in text for op in ("stablehlo.scatter", "stablehlo.gather", "stablehlo.while", "stablehlo.sort"))
 
 
-
 def test_the_column_tile_changes_no_bits():
     """block_n only picks which columns a program sums (each row's sums run down k in block_k
     steps whatever it is), so the platform's column tile, or a sweep of them, changes no bit."""

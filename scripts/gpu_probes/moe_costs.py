@@ -57,7 +57,7 @@ from jaxspec.sampling_params import GREEDY
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
-from pallas_kernels.experts import experts_mlp, experts_mlp_reference
+from pallas_kernels.experts import experts_mlp, experts_mlp_reference, grouped_layout
 from pallas_kernels.router import router_topk
 
 
@@ -111,7 +111,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiles", default="0/4/3", help="the expert kernel's block_n/num_warps/num_stages settings "
                    "to time, comma-separated; block_n 0 (named 'auto'): the engine's choice (pallas_kernels/experts.py "
-                   "BLOCK_N, narrowed to fill the GPU)")
+                   "BLOCK_N)")
     p.add_argument("--quantize", choices=SCHEMES, help="8-bit experts and projections (step and verify rows only)")
     p.add_argument("--op-steps", type=int, default=16, help="expert-op calls per timed loop (dispatch paid once)")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
@@ -186,11 +186,8 @@ def main() -> int:
         gu = jax.lax.ragged_dot(xs, wg.reshape(e, d, 2 * f), sizes, preferred_element_type=jnp.float32).astype(h.dtype)
         return jax.lax.ragged_dot(jax.nn.silu(gu[:, :f]) * gu[:, f:], wd, sizes)
 
-    from pallas_kernels.experts import BLOCK_M, group_pairs
-
     def layout(h, experts, wg, wd, method=None):  # the kernel path's work besides its two matmuls: pairs into blocks
-        slot, block_expert = group_pairs(experts.reshape(-1), e, method=method)
-        x = jnp.zeros((block_expert.shape[0] * BLOCK_M, d), h.dtype).at[slot].set(jnp.repeat(h, k, axis=0), mode="drop")
+        x, block_expert, _ = grouped_layout(h, experts.reshape(-1), e, method=method)
         return x[:1] + block_expert[0]
 
     def router(h, experts, wg, wd):  # norm, router product, softmax, top-k: what precedes any path
