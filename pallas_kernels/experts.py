@@ -49,8 +49,10 @@ BLOCK_N = {"cuda": 128}
 # Up to this many (token, expert) pairs group_pairs ranks each pair among its expert's by comparing
 # every pair with every other (one [P, P] comparison XLA fuses) instead of sorting them (a sort
 # and a scatter: separate GPU kernels in every layer of every step); past it the [P, P]
-# comparison outgrows the sort. Both give the same layout.
-COMPARE_MAX_PAIRS = 1024
+# comparison outgrows the sort. Both give the same layout. Timed (Qwen3-30B-A3B, 8 pairs a token;
+# docs/moe.md): compare against sort 14 us / 23 at 8 pairs (H100), 20 / 32 at 64 and 75 / 79 at 256
+# (H200), 136 / 29 at 512 (H100).
+COMPARE_MAX_PAIRS = 256
 
 
 def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M, method: str | None = None):
