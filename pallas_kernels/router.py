@@ -1,18 +1,26 @@
-"""A mixture-of-experts router in one kernel (Pallas, Triton lowering: ROCm and CUDA): the logits
-h @ router in float32, their softmax over the experts, the top k by repeated argmax, and (when the
-model renormalizes) the chosen weights over their sum. XLA runs these as several kernels a layer
-(the product, the softmax's reductions, top_k, the renormalization): on an H200 the router of one
-Qwen3-30B-A3B token took about 25 us a layer that way (docs/moe.md), for 0.5 MB of weights.
+"""A mixture-of-experts router in two small kernels (Pallas, Triton lowering: ROCm and CUDA): the
+logits h @ router in float32, then their softmax over the experts, the top k by repeated argmax,
+and (when the model renormalizes) the chosen weights over their sum. XLA runs these as several
+kernels a layer (the product, the softmax's reductions, top_k, the renormalization): on an H100 the
+router of one Qwen3-30B-A3B token took 20.5 us a layer that way (docs/moe.md), for 0.5 MB of
+weights. A first version did it all in one program per 16 rows, so one multiprocessor read the
+whole router: 21.2 us. Here the product is spread over programs first.
 
   h        [m, d]   the normed tokens
   router   [d, E]   h's dtype
   -> weights [m, k] float32, experts [m, k] int32, in lax.top_k's order: largest first, and of
      equal probabilities the lower expert first
 
-Grid (m / BLOCK_M,): each program takes 16 rows and reads the whole router, block_k rows of it at
-a time, its sums in float32 in one order fixed by d: a row's choice is the same alone or among
-others. E is padded to a power of two (at least 16, Triton's smallest dot tile) with columns that
-take no probability; k to a power of two, its padding sliced off.
+1. router_logits, grid (m / BLOCK_M, E / columns, splits): program (i, j, s) sums 16 rows' products
+   with `columns` experts over the s-th of `splits` equal parts of d, block_k rows of the router
+   at a time, into float32 partial logits [splits, m, E].
+2. router_choose, grid (m / BLOCK_M,): the partials summed in split order, then the softmax and
+   the top k.
+
+Every sum's order is fixed by d, block_k and splits (the router's shape), never by the rows: a
+row's choice is the same alone or among others. E is padded to a power of two (at least 16,
+Triton's smallest dot tile) with columns that take no probability; k to a power of two, its
+padding sliced off.
 """
 
 from __future__ import annotations
@@ -28,19 +36,31 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.matmul import BLOCK_M, _dot, _largest_pow2_divisor
 
 DEFAULT_BLOCK_K = 128
+DEFAULT_COLUMNS = 16  # experts per program of the product (Triton's smallest dot tile)
+# Programs the product is spread over, per 16 rows, where d allows: Qwen3-30B-A3B's router (2048 x
+# 128) in 16 parts of 32 KB (8 column blocks x 2 parts of d), Mixtral's (4096 x 8, padded to 16
+# columns) in 16 parts of d. Not yet tuned on a GPU (scripts/gpu_probes/moe_costs.py times it).
+PRODUCT_PROGRAMS = 16
 
 
 def _pow2_at_least(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("k", "normalize", "block_k", "num_warps", "num_stages", "interpret"))
-def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = None, num_warps: int = 4,
-                num_stages: int = 3, interpret: bool = False):
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "block_k", "columns", "splits", "num_warps",
+                                             "num_stages", "interpret"))
+def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = None, columns: int | None = None,
+                splits: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """(weights [m, k] float32, experts [m, k] int32): see the module docstring. normalize: the
     chosen weights divided by their sum (Qwen3-MoE's norm_topk_prob; Mixtral's softmax over its
     chosen logits is the same). block_k: the tile down d (None: the largest power of two up to
-    128 that divides d); it fixes every sum's order, so it follows the router's shape."""
+    128 that divides d). columns: experts per product program (None: 16). splits: the parts of
+    d summed apart (a power of two dividing d / block_k; None: enough for PRODUCT_PROGRAMS
+    programs). block_k and splits fix every sum's order, so they follow the router's shape."""
     m, d = h.shape
     if router.ndim != 2 or router.shape[0] != d:
         raise ValueError(f"router_topk router must be [d={d}, E]; got {list(router.shape)}")
@@ -51,31 +71,54 @@ def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = Non
         raise ValueError(f"router_topk router must be h's dtype {h.dtype}; got {router.dtype}")
     block_k = _largest_pow2_divisor(d, block_k or DEFAULT_BLOCK_K, "d")
     ep, kp = _pow2_at_least(e, 16), _pow2_at_least(k)
+    columns = min(ep, _pow2_at_least(columns or DEFAULT_COLUMNS, 16))
+    steps = d // block_k
+    if splits is None:
+        splits = min(_pow2_at_most(max(1, PRODUCT_PROGRAMS * columns // ep)), steps & -steps)
+    elif splits < 1 or splits & (splits - 1) or steps % splits:
+        raise ValueError(f"router_topk splits must be a power of two dividing d / block_k = {steps}; got {splits}")
     rows = -(-m // BLOCK_M) * BLOCK_M
     h = jnp.pad(h, ((0, rows - m), (0, 0)))
     router = jnp.pad(router, ((0, 0), (0, ep - e)))
+    part = d // splits
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    partial = pl.pallas_call(
+        functools.partial(_logits_kernel, block_k=block_k),
+        grid=(rows // BLOCK_M, ep // columns, splits),
+        in_specs=[pl.BlockSpec((BLOCK_M, part), lambda i, j, s: (i, s)),
+                  pl.BlockSpec((part, columns), lambda i, j, s: (s, j))],
+        out_specs=pl.BlockSpec((BLOCK_M, columns), lambda i, j, s: (s * (rows // BLOCK_M) + i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits * rows, ep), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="router_logits",
+    )(h, router)
     weights, experts = pl.pallas_call(
-        functools.partial(_kernel, experts=e, k=k, block_k=block_k, normalize=normalize),
+        functools.partial(_choose_kernel, experts=e, k=k, normalize=normalize),
         grid=(rows // BLOCK_M,),
-        in_specs=[pl.BlockSpec((BLOCK_M, d), lambda i: (i, 0)), pl.BlockSpec((d, ep), lambda i: (0, 0))],
+        in_specs=[pl.BlockSpec((splits, BLOCK_M, ep), lambda i: (0, i, 0))],
         out_specs=[pl.BlockSpec((BLOCK_M, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((rows, kp), jnp.float32), jax.ShapeDtypeStruct((rows, kp), jnp.int32)],
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=params,
         interpret=interpret,
-        name="router_topk",
-    )(h, router)
+        name="router_choose",
+    )(partial.reshape(splits, rows, ep))
     return weights[:m, :k], experts[:m, :k]
 
 
-def _kernel(h_ref, r_ref, w_ref, x_ref, *, experts: int, k: int, block_k: int, normalize: bool):
-    rows, d = h_ref.shape
-    ep = r_ref.shape[1]
-
+def _logits_kernel(h_ref, r_ref, o_ref, *, block_k: int):
     def step(i, acc):
         at = pl.multiple_of(i * block_k, block_k)
         return acc + _dot(h_ref[:, pl.ds(at, block_k)], r_ref[pl.ds(at, block_k), :])
 
-    logits = lax.fori_loop(0, d // block_k, step, jnp.zeros((rows, ep), jnp.float32))
+    o_ref[...] = lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _choose_kernel(p_ref, w_ref, x_ref, *, experts: int, k: int, normalize: bool):
+    splits, rows, ep = p_ref.shape
+    logits = p_ref[0]
+    for s in range(1, splits):  # in split order
+        logits = logits + p_ref[s]
     col = lax.broadcasted_iota(jnp.int32, (rows, ep), 1)
     logits = jnp.where(col < experts, logits, -jnp.inf)  # the padding columns: no probability
     p = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))

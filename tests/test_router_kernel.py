@@ -1,5 +1,5 @@
-"""The mixture-of-experts router in one kernel (pallas_kernels/router.py): its choices and
-weights against a float32 reference in interpret mode on the CPU, lax.top_k's order among equal
+"""The mixture-of-experts router's kernels (pallas_kernels/router.py): its choices and weights
+against a float32 reference in interpret mode on the CPU, with the product split every way, lax.top_k's order among equal
 probabilities, a row's bits whatever the rows beside it, clear errors, and ahead-of-time
 lowering for ROCm (gfx942) and CUDA (H200)."""
 
@@ -34,6 +34,15 @@ def test_the_router_kernel_matches_the_float32_reference(m, d, e, k, normalize, 
     np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("columns, splits", [(16, 1), (32, 4), (128, 1), (64, 8)])
+def test_the_product_split_over_programs_changes_no_choice(columns, splits):
+    h, router = tokens_and_router(6, 1024, 128, seed=2)
+    weights, experts = router_topk(h, router, k=8, normalize=True, columns=columns, splits=splits, interpret=True)
+    want_weights, want_experts = router_topk_reference(h, router, k=8, normalize=True)
+    np.testing.assert_array_equal(experts, want_experts)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
 def test_equal_probabilities_go_to_the_lower_experts_first_as_in_top_k():
     weights, experts = router_topk(jnp.ones((2, 32)), jnp.zeros((32, 8)), k=3, normalize=False, interpret=True)
     np.testing.assert_array_equal(experts, [[0, 1, 2]] * 2)
@@ -58,6 +67,13 @@ def test_bad_operands_are_refused_by_name(router, k, message):
         router_topk(jnp.ones((3, 64)), router, k=k, normalize=True, interpret=True)
 
 
+@pytest.mark.parametrize("splits", [3, 8])
+def test_a_split_that_does_not_divide_d_is_refused(splits):
+    with pytest.raises(ValueError, match=f"splits must be a power of two dividing d / block_k = 4; got {splits}"):
+        router_topk(jnp.ones((3, 64)), jnp.ones((64, 8)), k=2, normalize=True, block_k=16, splits=splits,
+                    interpret=True)
+
+
 @pytest.mark.parametrize("platform, device_kind", [("rocm", "gfx942"), ("cuda", "NVIDIA H200")])
 @pytest.mark.parametrize("d, e, k", [(2048, 128, 8), (4096, 8, 2)])  # Qwen3-30B-A3B, Mixtral-8x7B
 def test_the_router_kernel_lowers_ahead_of_time(platform, device_kind, d, e, k):
@@ -65,4 +81,4 @@ def test_the_router_kernel_lowers_ahead_of_time(platform, device_kind, d, e, k):
     with use_abstract_mesh(mesh):
         text = router_topk.trace(jax.ShapeDtypeStruct((4, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, e), jnp.bfloat16),
                                  k=k, normalize=True).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1 and "router_topk" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "router_logits" in text and "router_choose" in text

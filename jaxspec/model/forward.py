@@ -445,10 +445,11 @@ def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> st
     return "ragged_dot"
 
 
-# The router (norm aside: product, softmax, top-k, renormalization) by XLA's kernels, or in one
-# Pallas kernel (pallas_kernels/router.py) where JAXSPEC_ROUTER=kernel: on an H200 XLA's took
-# about 25 us a layer for one Qwen3-30B-A3B token (docs/moe.md); the fused kernel is not yet timed
-# on a GPU, so XLA's stays the default until it is (scripts/gpu_probes/moe_costs.py times both).
+# The router (norm aside: product, softmax, top-k, renormalization) by XLA's kernels, or by two
+# Pallas kernels (pallas_kernels/router.py) where JAXSPEC_ROUTER=kernel: for one Qwen3-30B-A3B
+# token on an H100 XLA's took 20.5 us a layer, and a first kernel, one program reading the whole
+# router, 21.2 (docs/moe.md). The product is now spread over programs, not yet timed on a GPU, so
+# XLA's stays the default until it is (scripts/gpu_probes/moe_remaining.sh router times both).
 # Deterministic mode keeps its own (the matmul kernel's product). Read when jaxspec is imported.
 ROUTER_PATHS = ("xla", "kernel")
 ROUTER_ENV = "JAXSPEC_ROUTER"

@@ -15,8 +15,8 @@
   (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too; at one
   token also with the grouped layout the one-token layout replaced, `_grouped`); beside
   them, to see where a layer's time goes, the kernel path's pair layout alone (group_pairs and the
-  rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) by XLA and in one kernel
-  (pallas_kernels/router.py), and the whole MLP block as the
+  rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) by XLA and by its kernels
+  (pallas_kernels/router.py, the product over 16, 1 and 64 programs), and the whole MLP block as the
   engine runs it for those tokens (moe_mlp: router, its chosen path, combine, residual), us
   per call inside one jitted loop of --op-steps calls (so no call pays a dispatch; the H100 rows
   of 2026-12-06 in docs/moe.md were single calls, dispatch included), and each kernel's largest error against the float32 reference (relative to its
@@ -24,7 +24,7 @@
 
 The step and verify rows use the engine's own choice of expert path; JAXSPEC_EXPERT_PATH=gather
 (or ragged_dot, kernel) forces one, for a baseline in the same session; JAXSPEC_ROUTER=kernel
-runs the router in one kernel.
+runs the router by its kernels.
 
     python3 scripts/gpu_probes/moe_costs.py --shape qwen3-30b-a3b-8l
     python3 scripts/gpu_probes/moe_costs.py --shape mixtral-8x7b-8l
@@ -194,10 +194,10 @@ def main() -> int:
         hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)
         return fwd._route_xla(c, hn, layer.router, False)[0]
 
-    def router_kernel(h, experts, wg, wd, num_warps=4):  # the same in one kernel (pallas_kernels/router.py)
+    def router_kernel(h, experts, wg, wd, **split):  # the same by the router's kernels (pallas_kernels/router.py)
         hn = fwd.rms_norm(h[None], layer.mlp_norm, c.rms_norm_eps)[0]
-        return router_topk(hn, layer.router, k=k, normalize=c.norm_topk_prob, num_warps=num_warps,
-                           interpret=jax.default_backend() == "cpu")[0]
+        return router_topk(hn, layer.router, k=k, normalize=c.norm_topk_prob, interpret=jax.default_backend() == "cpu",
+                           **split)[0]
 
     def whole_layer(h, experts, wg, wd):  # the engine's MLP block as a step runs it (its path, combine, residual)
         norm = fwd.Norm(layer.mlp_norm, c.rms_norm_eps)
@@ -222,7 +222,10 @@ def main() -> int:
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d))
                   for name, fn in (kernels() | (kernels(grouped=True) if t == 1 else {})).items()]
         paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
-                  ("router_kernel", router_kernel), ("router_kernel_8_warps", functools.partial(router_kernel, num_warps=8)),
+                  ("router_kernel", router_kernel),  # the product over PRODUCT_PROGRAMS programs, and over 1 (the
+                  # first version's one program per 16 rows) and 64
+                  ("router_kernel_1_program", functools.partial(router_kernel, columns=128, splits=1)),
+                  ("router_kernel_64_programs", functools.partial(router_kernel, columns=16, splits=8)),
                   ("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731

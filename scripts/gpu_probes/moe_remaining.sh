@@ -3,12 +3,12 @@
 # written as it is measured (JSON lines under $OUT, or ./runs/moe). Compiling an 8-layer loop takes
 # about a minute, so each part has its own time limit inside the 10-minute call.
 #
-#   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8 and K = 3 passes (jaxspec
-#                                                        # bench) with the router in one kernel and by XLA
-#                                                        # (JAXSPEC_ROUTER); the expert ops at 1 token (the one-token
-#                                                        # layout against the grouped one; column tiles of 128 down
-#                                                        # to 16: one token's 8 blocks fill 48 of 132 multiprocessors
-#                                                        # at 128, but 64 ran slower than 128 on 2026-12-06) and 64
+#   bash scripts/gpu_probes/moe_remaining.sh router      # first: Qwen3 steps at B = 1, 8, 64 and K = 3 passes (jaxspec
+#                                                        # bench) with the router by its kernels and by XLA
+#                                                        # (JAXSPEC_ROUTER); one token's router and experts as ops
+#                                                        # (the router's product over 16, 1 and 64 programs). On an
+#                                                        # H100 on 2026-12-07 the one-program router lost to XLA's
+#                                                        # (docs/moe.md); B = 64 checks sorting past 256 pairs
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -42,14 +42,13 @@ bench_qwen3() {  # bench_qwen3 ROUTING SECONDS
 case ${1:-} in
 router)
     for r in kernel xla; do  # the plain step and a K = 3 pass through the public API, by each router
-        JAXSPEC_ROUTER=$r run qwen3-router-$r 150 python3 -m jaxspec.cli bench --shape $q --parts plain,forward \
-            --batch-sizes 1,8 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,4 --spec-k 3 --no-hf \
+        JAXSPEC_ROUTER=$r run qwen3-router-$r 180 python3 -m jaxspec.cli bench --shape $q --parts plain,forward \
+            --batch-sizes 1,8,64 --prompt-lens 128 --new-tokens 64 --verify-sizes 1,4 --spec-k 3 --no-hf \
             --routing random --json "$out/qwen3-router-$r.json"
     done
-    run qwen3-ops-1 120 python3 $costs --shape $q --skip step,verify --tokens 1 \
-        --tiles 0/4/3,128/4/3,64/4/3,32/4/3,16/4/3,32/2/3,32/4/4,16/4/4
-    run qwen3-ops-64 90 python3 $costs --shape $q --skip step,verify --tokens 64
+    run qwen3-ops-1 120 python3 $costs --shape $q --skip step,verify --tokens 1,4
     grep -h '"plain"\|"forward"' "$out"/qwen3-router-*.jsonl | cut -c1-250
+    grep -ho '"router[a-z_0-9]*_us": [0-9.]*' "$out"/qwen3-ops-1.jsonl
     ;;
 qwen3)
     bench_qwen3 random 560
