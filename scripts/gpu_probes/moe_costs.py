@@ -225,7 +225,8 @@ def main() -> int:
                   ("router_kernel", router_kernel),  # the product over PRODUCT_PROGRAMS programs, and over 1 (the
                   # first version's one program per 16 rows) and 64
                   ("router_kernel_1_program", functools.partial(router_kernel, columns=128, splits=1)),
-                  ("router_kernel_64_programs", functools.partial(router_kernel, columns=16, splits=8)),
+                  ("router_kernel_64_programs",  # (8 parts of d where it has 8 tiles of 128; the default where not)
+                   functools.partial(router_kernel, columns=16, splits=8 if d % 1024 == 0 else None)),
                   ("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
