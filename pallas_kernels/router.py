@@ -39,16 +39,13 @@ DEFAULT_BLOCK_K = 128
 DEFAULT_COLUMNS = 16  # experts per program of the product (Triton's smallest dot tile)
 # Programs the product is spread over, per 16 rows, where d allows: Qwen3-30B-A3B's router (2048 x
 # 128) in 16 parts of 32 KB (8 column blocks x 2 parts of d), Mixtral's (4096 x 8, padded to 16
-# columns) in 16 parts of d. Not yet tuned on a GPU (scripts/gpu_probes/moe_costs.py times it).
+# columns) in 16 parts of d. A power of two, as columns and the padded E are, so the parts of d it
+# asks for are one too. Not yet tuned on a GPU (scripts/gpu_probes/moe_costs.py times it).
 PRODUCT_PROGRAMS = 16
 
 
 def _pow2_at_least(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
-
-
-def _pow2_at_most(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "normalize", "block_k", "columns", "splits", "num_warps",
@@ -58,7 +55,8 @@ def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = Non
     """(weights [m, k] float32, experts [m, k] int32): see the module docstring. normalize: the
     chosen weights divided by their sum (Qwen3-MoE's norm_topk_prob; Mixtral's softmax over its
     chosen logits is the same). block_k: the tile down d (None: the largest power of two up to
-    128 that divides d). columns: experts per product program (None: 16). splits: the parts of
+    128 that divides d). columns: experts per product program (None: 16; rounded up to a power
+    of two of at least 16, at most E padded; they change no sum's order). splits: the parts of
     d summed apart (a power of two dividing d / block_k; None: enough for PRODUCT_PROGRAMS
     programs). block_k and splits fix every sum's order, so they follow the router's shape."""
     m, d = h.shape
@@ -74,7 +72,8 @@ def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = Non
     columns = min(ep, _pow2_at_least(columns or DEFAULT_COLUMNS, 16))
     steps = d // block_k
     if splits is None:
-        splits = min(_pow2_at_most(max(1, PRODUCT_PROGRAMS * columns // ep)), steps & -steps)
+        # (steps & -steps: the largest power of two dividing steps)
+        splits = min(max(1, PRODUCT_PROGRAMS * columns // ep), steps & -steps)
     elif splits < 1 or splits & (splits - 1) or steps % splits:
         raise ValueError(f"router_topk splits must be a power of two dividing d / block_k = {steps}; got {splits}")
     rows = -(-m // BLOCK_M) * BLOCK_M

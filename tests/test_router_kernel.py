@@ -1,7 +1,7 @@
 """The mixture-of-experts router's kernels (pallas_kernels/router.py): its choices and weights
-against a float32 reference in interpret mode on the CPU, with the product split every way, lax.top_k's order among equal
-probabilities, a row's bits whatever the rows beside it, clear errors, and ahead-of-time
-lowering for ROCm (gfx942) and CUDA (H200)."""
+against a float32 reference in interpret mode on the CPU, with the product split every way,
+lax.top_k's order among equal probabilities, a row's bits whatever the rows beside it, clear
+errors, and ahead-of-time lowering for ROCm (gfx942) and CUDA (H200)."""
 
 import jax
 import jax.numpy as jnp
