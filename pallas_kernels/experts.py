@@ -15,6 +15,8 @@ Layout (group_pairs builds it from the router's choices):
                               applied to the float32 sums before the epilogue
   block_expert  [S / BLOCK_M] int32 each block's expert, -1 for blocks past the last used one
   -> out        [S, n]        out_dtype (gated: silu(gate) * up, as pallas_kernels/fused.py rounds it)
+Up to BLOCK_M tokens (decode at small batches, verify passes) skip the grouping: x is one block
+holding every token, which each used block multiplies by its expert (shared_x; few_tokens_layout).
 
 Grid (blocks, n / block_n): program (i, j) loads expert block_expert[i]'s [block_k, block_n] tiles
 (gate's and up's, gated) down k in a fixed order, one float32 accumulator; blocks with no expert
@@ -126,10 +128,10 @@ def _kernel(block_expert_ref, x_ref, w_ref, *rest, block_k: int, gated: bool, fm
 
 
 @functools.partial(jax.jit, static_argnames=("gated", "fmt", "w_nk", "out_dtype", "block_k", "block_n", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "shared_x", "interpret"))
 def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: str = "float", w_nk: bool = False,
                   out_dtype=None, block_k: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int = 3, interpret: bool = False):
+                  num_stages: int = 3, shared_x: bool = False, interpret: bool = False):
     """x [S, k] @ w[block's expert] (times scale[block's expert]) -> [S, n] in out_dtype (default
     x's); see the module docstring. fmt: w as x's float dtype, int8, or fp8 e4m3fn bits (uint8;
     pallas_kernels/matmul.py FORMATS), converted to x's dtype in registers as the matmul kernel
@@ -138,7 +140,8 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     applied to the float32 sums before the epilogue. block_k, block_n: the tiles (None: the
     largest powers of two up to DEFAULT_BLOCK_K and the platform's BLOCK_N that divide k and n).
     block_k fixes the order of every sum, so it follows the weights' shape, never the rows;
-    block_n fixes none."""
+    block_n fixes none. shared_x: x is one block of BLOCK_M rows that every block multiplies by
+    its own expert (a few tokens' layout: no copy of x per block), out still a block each."""
     if fmt not in FORMATS:
         raise ValueError(f"expert_matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     s, k = x.shape
@@ -147,9 +150,13 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     want = ["E", *pair, "n", f"k={k}"] if w_nk else ["E", f"k={k}", *pair, "n"]
     if w.ndim != len(want) or w.shape[want.index(f"k={k}")] != k or (gated and w.shape[want.index("2")] != 2):
         raise ValueError(f"expert_matmul w must be [{', '.join(want)}]; got {list(w.shape)}")
-    if s % BLOCK_M or block_expert.shape != (s // BLOCK_M,):
+    if shared_x and (s != BLOCK_M or block_expert.ndim != 1):
+        raise ValueError(f"expert_matmul with shared_x: x must be one block of {BLOCK_M} rows, block_expert [blocks]; "
+                         f"got x {list(x.shape)}, block_expert {list(block_expert.shape)}")
+    if not shared_x and (s % BLOCK_M or block_expert.shape != (s // BLOCK_M,)):
         raise ValueError(f"expert_matmul x must hold whole blocks of {BLOCK_M} rows, one block_expert each; got "
                          f"x {list(x.shape)}, block_expert {list(block_expert.shape)}")
+    blocks = block_expert.shape[0]
     expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
     if w.dtype != expected:
         what = "x's dtype" if fmt == "float" else f"for fmt {fmt!r}"
@@ -171,13 +178,13 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
             weights = (w, s32 * FP8_SHIFT if fmt == "fp8" and not native else s32) if scaled else (w,)
             return pl.pallas_call(
                 kernel,
-                grid=(s // BLOCK_M, n // columns),
+                grid=(blocks, n // columns),
                 in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j: (0,)),
-                          pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0))]
+                          pl.BlockSpec((BLOCK_M, k), (lambda i, j: (0, 0)) if shared_x else (lambda i, j: (i, 0)))]
                 # the weights (and scales) whole, indexed by each block's expert inside
                 + [pl.BlockSpec(a.shape, lambda i, j, a=a: (0,) * a.ndim) for a in weights],
                 out_specs=pl.BlockSpec((BLOCK_M, columns), lambda i, j: (i, j)),
-                out_shape=jax.ShapeDtypeStruct((s, n), out_dtype or x.dtype),
+                out_shape=jax.ShapeDtypeStruct((blocks * BLOCK_M, n), out_dtype or x.dtype),
                 compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                 interpret=interpret,
                 name=("expert_matmul_gated" if gated else "expert_matmul") + ("" if fmt == "float" else f"_{fmt}"),
@@ -200,18 +207,31 @@ def grouped_layout(h, experts, num_experts: int, method: str | None = None):
     return x, block_expert, lambda out: jnp.take(out, slot, axis=0, mode="fill", fill_value=0)
 
 
-def _one_token_layout(h, experts, num_experts: int):
-    """The same for one token (h [1, d]), with nothing to compute: a block per pair in the router's
-    order (its k experts are distinct, so each is still read once; a repeated one would be read
-    twice, still correctly), x a padded copy of the token, each output the first row of its
-    block: no grouping, scatter or gather kernels in a decode step at batch 1. A row's sums do not
-    depend on its block, so the token's bits are the grouped layout's."""
-    k = experts.shape[0]
+def few_tokens_layout(h, experts, num_experts: int):
+    """The layout of up to BLOCK_M tokens (h [m, d], experts [m * k]), with nothing scattered: x
+    is the tokens themselves, padded to one block that every block multiplies (shared_x), and
+    each distinct expert takes the block of the first pair that chose it, whose row i is token i
+    through that expert; each pair's output is its token's row in its expert's block. A row's sums
+    do not depend on its block or row, so every token's bits are the grouped layout's. One token
+    (a decode step at batch 1) needs not even the comparison: its k experts are distinct (a
+    repeated one would be read twice, still correctly), so its blocks are its pairs in order and
+    each output the first row of its block. -> (x, block_expert, read_back), for expert_matmul's
+    shared_x."""
+    m, p = h.shape[0], experts.shape[0]
+    k = p // m
     kept = (experts >= 0) & (experts < num_experts)  # (pairs routed to another device: skipped)
-    x = jnp.pad(jnp.broadcast_to(h, (k, 1, h.shape[1])), ((0, 0), (0, BLOCK_M - 1), (0, 0))).reshape(k * BLOCK_M, -1)
-    # (a skipped block's rows are never written: where, not a product, keeps them out)
-    read_back = lambda out: jnp.where(kept[:, None], out.reshape(k, BLOCK_M, -1)[:, 0], 0)  # noqa: E731
-    return x, jnp.where(kept, experts, -1).astype(jnp.int32), read_back
+    x = jnp.pad(h, ((0, BLOCK_M - m), (0, 0)))
+    if m == 1:
+        first = jnp.arange(p)
+        rows = lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]  # noqa: E731
+    else:  # each pair's first pair of the same expert: a [P, P] comparison XLA fuses
+        bins = jnp.where(kept, experts, num_experts)
+        first = jnp.argmax(bins[:, None] == bins[None, :], axis=1)
+        rows = lambda out: jnp.take(out, first * BLOCK_M + jnp.arange(p) // k, axis=0)  # noqa: E731
+    block_expert = jnp.where(kept & (first == jnp.arange(p)), experts, -1).astype(jnp.int32)
+    # (a skipped pair's rows are never written: where, not a product, keeps them out)
+    read_back = lambda out: jnp.where(kept[:, None], rows(out), 0)  # noqa: E731
+    return x, block_expert, read_back
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
@@ -223,14 +243,15 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     (gate_up [E, 2, f, d], down [E, d, f]) with float32 scales gate_up_scale [E, 2, f] and
     down_scale [E, d] (each expert's own, per output channel). -> [m, d] float32: each token's
     weighted expert outputs, summed over its k choices in order (so the sum too is the token's
-    alone). tiles: expert_matmul's block_n, num_warps, num_stages; grouped: the grouped layout
-    even for one token (both to measure them)."""
+    alone). tiles: expert_matmul's block_n, num_warps, num_stages. Up to BLOCK_M tokens take
+    few_tokens_layout, more the grouped one (grouped: the grouped one always, to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
-    layout = _one_token_layout if m == 1 and not grouped else grouped_layout
+    few = m <= BLOCK_M and not grouped
+    layout = few_tokens_layout if few else grouped_layout
     x, block_expert, read_back = layout(h, (experts - first_expert).reshape(-1), e)
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
-    act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, **kw)
+    act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, shared_x=few, **kw)
     out = expert_matmul(act, down, block_expert, down_scale, out_dtype=jnp.float32, **kw)
     pairs = read_back(out) * weights.reshape(-1, 1)
     pairs = pairs.reshape(m, k, -1)

@@ -49,7 +49,8 @@ def test_the_grouped_layout_gives_each_block_one_expert_and_each_pair_its_own_ro
         assert not len(rows) or rows[0] % BLOCK_M == 0
 
 
-@pytest.mark.parametrize("m, e, k", [(1, 8, 2), (4, 16, 4), (37, 4, 2)])
+# (1 and up to 16 tokens: few_tokens_layout, 16 of 4 experts choosing each many times; 37: grouped)
+@pytest.mark.parametrize("m, e, k", [(1, 8, 2), (4, 16, 4), (16, 4, 2), (37, 4, 2)])
 def test_the_experts_mlp_matches_the_float32_reference(m, e, k):
     rng = np.random.default_rng(m * e + k)
     h, experts, weights, gate_up, down = routed(rng, m, e, k, d=64, f=32)
@@ -66,7 +67,7 @@ def eight_bit(gate_up, down, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("m, e, k", [(1, 8, 2), (37, 4, 2)])
+@pytest.mark.parametrize("m, e, k", [(1, 8, 2), (5, 4, 2), (37, 4, 2)])
 def test_8bit_experts_match_the_float32_reference_of_their_dequantized_weights(fmt, m, e, k):
     """Gated (gate/up) and plain (down) 8-bit kernels, scales in the epilogue, against the float32
     reference on the weights they stand for; the matmul kernel's fused-epilogue tolerance."""
@@ -98,13 +99,17 @@ def test_a_token_gives_the_same_bits_alone_and_among_others(fmt):
         (gu, dn), _ = eight_bit(gate_up, down, fmt)
         gate_up, down = gu.values, dn.values
         kw |= dict(fmt=fmt, gate_up_scale=gu.scale, down_scale=dn.scale)
-    batch = np.asarray(experts_mlp(h, experts, weights, gate_up, down, **kw))
+    batch = np.asarray(experts_mlp(h, experts, weights, gate_up, down, **kw))  # the grouped layout
     for i in (0, 13, 23):
         alone = np.asarray(experts_mlp(h[i:i + 1], experts[i:i + 1], weights[i:i + 1], gate_up, down, **kw))
         assert np.array_equal(alone[0], batch[i])
+    few = slice(3, 8)  # five tokens: few_tokens_layout, and the grouped layout forced
+    for grouped in (False, True):
+        got = experts_mlp(h[few], experts[few], weights[few], gate_up, down, grouped=grouped, **kw)
+        assert np.array_equal(np.asarray(got), batch[few])
 
 
-@pytest.mark.parametrize("m", [1, 5])  # one token: a block per pair (_one_token_layout)
+@pytest.mark.parametrize("m", [1, 5, 20])  # few_tokens_layout (one token: a block per pair); grouped
 def test_experts_split_over_devices_add_up_to_the_whole(m):
     """Expert parallelism: each device's experts (first_expert on) give the pairs routed to them,
     the others nothing; the shares add up to all experts' output."""
@@ -129,6 +134,8 @@ def test_experts_split_over_devices_add_up_to_the_whole(m):
     ((jnp.ones((16, 64)), jnp.ones((4, 2, 32, 64), jnp.int8), jnp.zeros((1,), jnp.int32), jnp.ones((4, 32))),
      {"fmt": "int8", "w_nk": True, "gated": True}, r"scale must be \[E, 2, n=32\] float32; got \[4, 32\]"),
     ((jnp.ones((16, 64)), jnp.ones((4, 64, 32)), jnp.zeros((1,), jnp.int32)), {"fmt": "int4"}, "fmt must be one of"),
+    ((jnp.ones((32, 64)), jnp.ones((4, 64, 32)), jnp.zeros((5,), jnp.int32)), {"shared_x": True},
+     "with shared_x: x must be one block of 16 rows"),
 ])
 def test_bad_operands_are_refused_by_name(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -140,10 +147,11 @@ def test_bad_operands_are_refused_by_name(args, kwargs, message):
 @pytest.mark.parametrize("fmt", ["float", "int8", "fp8"])
 def test_kernel_lowers_ahead_of_time(platform, device_kind, gated, fmt):
     """No GPU needed: the kernel lowers to a Triton custom call for MI300X (ROCm) and H200, at
-    Qwen3-30B-A3B's expert shapes (d 2048, f 768, 128 experts; a verify pass of 4 tokens);
-    8-bit experts channels first with their scales."""
+    Qwen3-30B-A3B's expert shapes (d 2048, f 768, 128 experts; a verify pass of 4 tokens: the
+    gated product with their one shared block, the down product a block per pair); 8-bit experts
+    channels first with their scales."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
-    blocks = 32 // BLOCK_M + 32
+    blocks = 32
     k, n = (2048, 768) if gated else (768, 2048)
     pair = (2,) if gated else ()
     if fmt == "float":
@@ -151,27 +159,30 @@ def test_kernel_lowers_ahead_of_time(platform, device_kind, gated, fmt):
     else:
         w = jax.ShapeDtypeStruct((128, *pair, n, k), {"int8": jnp.int8, "fp8": jnp.uint8}[fmt])
         scale, kw = jax.ShapeDtypeStruct((128, *pair, n), jnp.float32), dict(fmt=fmt, w_nk=True)
-    args = (jax.ShapeDtypeStruct((blocks * BLOCK_M, k), jnp.bfloat16), w, jax.ShapeDtypeStruct((blocks,), jnp.int32),
-            scale)
+    rows = BLOCK_M if gated else blocks * BLOCK_M
+    args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), w, jax.ShapeDtypeStruct((blocks,), jnp.int32), scale)
     with use_abstract_mesh(mesh):
-        lowered = expert_matmul.trace(*args, gated=gated, **kw).lower(lowering_platforms=(platform,))
+        lowered = expert_matmul.trace(*args, gated=gated, shared_x=gated, **kw).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     name = ("expert_matmul_gated" if gated else "expert_matmul") + ("" if fmt == "float" else f"_{fmt}")
     assert "__gpu$xla.gpu.triton" in text and name in text
 
 
-def test_the_experts_mlp_lowers_for_a_gpu_without_loops():
+@pytest.mark.parametrize("t", [4, 32])
+def test_the_experts_mlp_lowers_for_a_gpu_without_loops(t):
     """Grouping the pairs (ranks, counts, each block's expert) is straight-line code: a loop on a
     GPU runs its body as a launch per step, in every layer of every decode step (searchsorted's
-    default binary search was one). A verify pass's few pairs are ranked by comparison: no sort."""
+    default binary search was one). A few pairs are ranked by comparison: no sort. A verify
+    pass's few tokens (4) are not even scattered into blocks: one block holds them all."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    t, k, e, d, f = 4, 8, 128, 2048, 768
+    k, e, d, f = 8, 128, 2048, 768
     args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16), jax.ShapeDtypeStruct((t, k), jnp.int32),
             jax.ShapeDtypeStruct((t, k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2, f), jnp.bfloat16),
             jax.ShapeDtypeStruct((e, f, d), jnp.bfloat16))
     with use_abstract_mesh(mesh):
         text = jax.jit(experts_mlp).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2 and "stablehlo.while" not in text and "stablehlo.sort" not in text
+    assert ("stablehlo.scatter" in text) == (t > BLOCK_M)
 
 
 def test_one_tokens_experts_lower_for_a_gpu_without_grouping_scatter_or_gather():

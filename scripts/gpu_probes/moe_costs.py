@@ -12,8 +12,8 @@
   with the unique experts of those tokens: what a verify round costs relative to a plain step;
 - expert_op: one layer's experts for T tokens, the gather path (the chosen experts' weights), the
   grouped path (jax.lax.ragged_dot over tokens sorted by expert) and the grouped expert kernel
-  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too; at one
-  token also with the grouped layout the one-token layout replaced, `_grouped`); beside
+  (pallas_kernels/experts.py; with --tiles, each of those block_n/num_warps/num_stages too; up to
+  16 tokens also with the grouped layout that few_tokens_layout replaced there, `_grouped`); beside
   them, to see where a layer's time goes, the kernel path's pair layout alone (group_pairs and the
   rows' scatter; by comparison, the default up to COMPARE_MAX_PAIRS, and by sorting), the router alone (norm, product, softmax, top-k) by XLA and by its kernels
   (pallas_kernels/router.py, the product over 16, 1 and 64 programs), and the whole MLP block as the
@@ -58,6 +58,7 @@ from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
 from pallas_kernels.experts import experts_mlp, experts_mlp_reference, grouped_layout
+from pallas_kernels.matmul import BLOCK_M
 from pallas_kernels.router import router_topk
 
 
@@ -204,7 +205,7 @@ def main() -> int:
         return fwd.moe_mlp(c, layer, h[None], None, False, norm, residual=h[None])[0]
 
     tiles = [tuple(int(v) for v in t.split("/")) for t in args.tiles.split(",") if t]
-    def kernels(grouped=False):  # the grouped layout even for one token: the one the engine's replaced
+    def kernels(grouped=False):  # the grouped layout even for a few tokens: the one the engine's replaced
         return {f"kernel_{n or 'auto'}_{w}_{st}" + ("_grouped" if grouped else ""): jax.jit(functools.partial(
             experts_mlp, block_n=n or None, num_warps=w, num_stages=st, grouped=grouped,
             interpret=jax.default_backend() == "cpu")) for n, w, st in tiles}
@@ -220,7 +221,7 @@ def main() -> int:
         ref = np.asarray(experts_mlp_reference(h, experts, weights, layer.experts_gate_up, layer.experts_down))
         paths = [("gather", gathered), ("ragged_dot", grouped)]
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d))
-                  for name, fn in (kernels() | (kernels(grouped=True) if t == 1 else {})).items()]
+                  for name, fn in (kernels() | (kernels(grouped=True) if t <= BLOCK_M else {})).items()]
         paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
                   ("router_kernel", router_kernel),  # the product over PRODUCT_PROGRAMS programs, and over 1 (the
                   # first version's one program per 16 rows) and 64
