@@ -50,6 +50,12 @@ router)
     grep -h '"plain"\|"forward"' "$out"/qwen3-router-*.jsonl | cut -c1-250
     grep -ho '"router[a-z_0-9]*_us": [0-9.]*' "$out"/qwen3-ops-1.jsonl
     ;;
+profile)
+    for r in xla kernel; do
+        JAXSPEC_ROUTER=$r run qwen3-profile-$r 200 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 1,4
+    done
+    grep -h '"pass"' "$out"/qwen3-profile-*.jsonl
+    ;;
 qwen3)
     bench_qwen3 random 560
     ;;
@@ -65,7 +71,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac

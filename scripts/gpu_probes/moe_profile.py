@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Where a mixture-of-experts pass's time goes, kernel by kernel (issue 51): one forward pass at
+batch 1 over T tokens (T = 1: a plain decode step; T = K + 1: a chain's verify pass), --steps of
+them inside one jitted loop, traced by JAX's profiler; the device's kernels summed by name, one
+JSON line each (us per pass, launches per pass), then a line per T with the device's busy time and
+the wall time per pass (their difference: gaps between kernels).
+
+    python3 scripts/gpu_probes/moe_profile.py --shape qwen3-30b-a3b-8l --tokens 1,4
+
+On the CPU (no device stream in the trace) the host's XLA threads are summed instead: a check
+that the script runs, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxspec.model.forward as fwd
+from jaxspec.bench.experts import ROUTINGS, with_routing
+from jaxspec.bench.shapes import random_model
+from jaxspec.model.cache import KVCache
+from jaxspec.serving.options import RunOptions
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+
+
+def passes(model, t: int, prompt_len: int, steps: int):
+    """A jitted loop of `steps` forward passes over t tokens at batch 1 (each pass's tokens shifted
+    by its index, so none is hoisted), and its arguments."""
+    c = model.config
+    cache = KVCache.create(c, 1, prompt_len + t, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
+    cache = cache.replace(lengths=jnp.full((1,), prompt_len, jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(t).integers(1, c.vocab_size, (1, t)), jnp.int32)
+    attention = RunOptions().attention_impl
+
+    @jax.jit
+    def run(weights, tokens, cache):
+        def body(i, total):
+            logits, _ = fwd.forward(weights, c, (tokens + i) % c.vocab_size, cache, attention=attention)
+            return total + jnp.sum(logits[:, -1, :8])
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.float32))
+    return run, (model.weights, tokens, cache)
+
+
+def device_events(trace: dict) -> tuple[list[dict], str]:
+    """The trace's complete events on the device's streams (its derived lines of XLA modules and
+    ops left out: they overlap the kernels), or, with no device, the host's XLA threads'."""
+    meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+    processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e.get("name") == "thread_name"}
+    device = {key: name for key, name in threads.items() if "/device:" in processes.get(key[0], "")
+              and "CPU" not in processes[key[0]]}
+    chosen = ({key for key, name in device.items() if name.startswith("Stream")}
+              or {key for key, name in threads.items() if name.startswith("tf_XLA")})
+    where = ", ".join(sorted({threads[key] for key in chosen})) or f"nothing of {sorted(set(threads.values()))[:20]}"
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and (e["pid"], e.get("tid")) in chosen
+              and not e["name"].startswith("end: ")]
+    return events, where
+
+
+def profile(run, args, steps: int) -> tuple[list[dict], float, str]:
+    jax.block_until_ready(run(*args))  # compiled and warm
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            start = time.perf_counter()
+            jax.block_until_ready(run(*args))
+            wall = time.perf_counter() - start
+        trace_file, = pathlib.Path(folder).glob("plugins/profile/*/*.trace.json.gz")
+        with gzip.open(trace_file) as f:
+            trace = json.load(f)
+    events, where = device_events(trace)
+    return events, wall / steps, where
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", default="1,4", help="tokens per pass, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32, help="passes in the traced loop")
+    p.add_argument("--top", type=int, default=25, help="kernels reported per pass, by time")
+    p.add_argument("--routing", choices=ROUTINGS, default="random")
+    args = p.parse_args()
+    model = with_routing(random_model(args.shape, args.dtype), args.routing)
+    emit(kind="machine", shape=args.shape, device=str(jax.devices()[0].device_kind), routing=args.routing,
+         expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", router=fwd.ROUTER_PATH)
+    for t in (int(x) for x in args.tokens.split(",") if x):
+        run, run_args = passes(model, t, args.prompt_len, args.steps)
+        events, wall, where = profile(run, run_args, args.steps)
+        total, count = collections.Counter(), collections.Counter()
+        for e in events:
+            total[e["name"]] += float(e.get("dur", 0))
+            count[e["name"]] += 1
+        busy = sum(total.values()) / args.steps
+        for name, us in total.most_common(args.top):
+            emit(kind="kernel", tokens=t, name=name[:120], us_per_pass=round(us / args.steps, 2),
+                 launches_per_pass=round(count[name] / args.steps, 2))
+        emit(kind="pass", tokens=t, where=where, busy_us=round(busy, 1), wall_us=round(1e6 * wall, 1),
+             kernels=len(total), launches_per_pass=round(sum(count.values()) / args.steps, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
