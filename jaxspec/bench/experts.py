@@ -17,17 +17,41 @@ from jaxspec.model.loading import Model
 ROUTINGS = ("random", "same")
 
 
-def unique_experts(model: Model, tokens: np.ndarray, cache_len: int) -> float:
-    """Mean over sparse layers of the distinct experts that `tokens` [b, t] choose after a prefix of
-    cache_len random tokens (forward's routing)."""
-    b = tokens.shape[0]
-    prefix = np.random.default_rng(1).integers(1, model.config.vocab_size, (b, cache_len))
-    cache = KVCache.create(model.config, b, cache_len + tokens.shape[1], model.dtype,
-                           stacked=not isinstance(model.weights.layers, tuple))
-    *_, routing = fwd.forward(model.weights, model.config, jnp.asarray(np.concatenate([prefix, tokens], 1), jnp.int32),
-                              cache, routing=True)
-    chosen = np.asarray(routing)[:, :, -tokens.shape[1]:]  # [L, b, t, k]
-    return float(np.mean([len(np.unique(layer)) for layer in chosen]))
+def context_tokens(vocab: int, batch: int, length: int) -> np.ndarray:
+    """The random prefix that timed passes and expert counts see in their caches (the same one, so
+    a pass is timed on the experts it is counted on)."""
+    return np.random.default_rng(1).integers(1, vocab, (batch, length))
+
+
+def filled_cache(model: Model, batch: int, length: int, capacity: int, mesh=None) -> KVCache:
+    """A cache of `capacity` positions holding the K/V of context_tokens (length of them). A
+    verify pass timed over an empty cache routes as if its tokens had no context, and on random
+    weights its tokens then spread over more experts than the same tokens after a prefix: before
+    2026-12-07 the bench's passes were timed so but their floors counted after a prefix
+    (docs/moe.md)."""
+    c = model.config
+    cache = KVCache.create(c, batch, capacity, model.dtype, stacked=not isinstance(model.weights.layers, tuple),
+                           mesh=mesh)
+    if not length:
+        return cache
+    prefix = jnp.asarray(context_tokens(c.vocab_size, batch, length), jnp.int32)
+    _, filled = jax.jit(fwd.forward, static_argnums=1)(model.weights, c, prefix, cache)
+    filled = jax.tree.map(lambda a, was: jax.device_put(a, was.sharding), filled, cache)  # (placed as created)
+    return filled.replace(lengths=jnp.full((batch,), length, jnp.int32, device=cache.lengths.sharding))
+
+
+def unique_experts(model: Model, tokens: np.ndarray, cache_len: int, passes: int = 1) -> float:
+    """Mean over sparse layers of the distinct experts that `tokens` [b, t] choose after the
+    cache_len tokens of context_tokens (forward's routing); with passes > 1, also mean over the
+    tokens + i (i < passes, modulo the vocabulary) that a timed loop's passes run."""
+    b, t = tokens.shape
+    cache = filled_cache(model, b, cache_len, cache_len + t)
+    counts = []
+    for i in range(passes):
+        shifted = jnp.asarray((tokens + i) % model.config.vocab_size, jnp.int32)
+        *_, routing = fwd.forward(model.weights, model.config, shifted, cache, routing=True)
+        counts += [len(np.unique(layer)) for layer in np.asarray(routing)]  # [L, b, t, k]: a layer each
+    return float(np.mean(counts))
 
 
 def one_expert_bytes(model: Model) -> int:

@@ -38,7 +38,7 @@ from jaxspec.bench.common import best_seconds, committed, machine
 from jaxspec.bench.humaneval import load_prompts
 from jaxspec.bench.schedulers import lengths_cases, lognormal_requests, scheduler_rows
 from jaxspec.bench.eagle_costs import head_ms, head_step_bytes
-from jaxspec.bench.experts import ROUTINGS, active_weight_bytes, unique_experts, with_routing
+from jaxspec.bench.experts import ROUTINGS, active_weight_bytes, filled_cache, unique_experts, with_routing
 from jaxspec.bench.shapes import random_head, random_model, step_weight_bytes
 from jaxspec.model.quantize import SCHEMES
 from jaxspec.checks import int_list
@@ -48,7 +48,6 @@ from jaxspec.decoding.tree_verify import TreePlan
 from jaxspec.decoding.trees import NAMED_TREES, ancestor_mask, chain
 from jaxspec.defaults import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_TARGET, embedded_model
 from jaxspec.errors import InputError
-from jaxspec.model.cache import KVCache
 from jaxspec.model.forward import DeterministicParts, deterministic_parts, forward
 from jaxspec.model.loading import load, replicated_on
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
@@ -156,8 +155,8 @@ def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attenti
     tokens = jnp.asarray(forward_tokens(model.config.vocab_size, batch, t), jnp.int32)
     positions = prefix + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
     mask = jnp.asarray(chunk_mask)
-    cache = KVCache.create(model.config, batch, cap, model.dtype, stacked=not isinstance(model.weights.layers, tuple),
-                           mesh=model.weights.mesh)
+    # the prefix's K/V in the cache, as in the passes whose experts count for a floor (filled_cache)
+    cache = filled_cache(model, batch, prefix, cap, mesh=model.weights.mesh)
     # the cache placed as the loop hands it back (committed to its devices; lengths, over a mesh,
     # whole on each device), or the second call would compile the loop again for another input
     # sharding, once more per row (and, at --repeats 1, in the timed call)
@@ -429,7 +428,7 @@ def run_scale_bench(args) -> int:
                 row = {"part": "forward", "model": m.name, "role": role, "size": label, "tokens": len(mask),
                        "prefix": P, "ms": ms, "vs_one_token": ms / costs[(role, "t=1")]}
                 if m.config.is_moe:  # the floor of the bytes the pass reads: the experts its tokens choose
-                    experts = unique_experts(m, forward_tokens(m.config.vocab_size, 1, len(mask)), P)
+                    experts = unique_experts(m, forward_tokens(m.config.vocab_size, 1, len(mask)), P, passes=4)
                     floor = 1000 * (active_weight_bytes(m, experts) + _kv_bytes(m, 1, P)) / bw
                     row |= {"experts_per_layer": experts, "floor_ms": floor, "of_floor": floor / ms}
                 emit(row)

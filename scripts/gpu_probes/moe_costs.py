@@ -46,13 +46,12 @@ import numpy as np
 
 import jaxspec.model.forward as fwd
 from jaxspec.bench.common import best_seconds, machine
-from jaxspec.bench.experts import ROUTINGS, one_expert_bytes, unique_experts, with_routing
+from jaxspec.bench.experts import ROUTINGS, filled_cache, one_expert_bytes, unique_experts, with_routing
 from jaxspec.bench.scale import run_hf_peer
 from jaxspec.bench.shapes import random_model
 from jaxspec.decoding.loop import decode
 from jaxspec.decoding.method import DecodeMethod
 from jaxspec.model.quantize import SCHEMES
-from jaxspec.model.cache import KVCache
 from jaxspec.sampling_params import GREEDY
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
@@ -157,8 +156,7 @@ def main() -> int:
 
     # a verify pass over K + 1 tokens per row, against one token, at batch 1
     fwd_jit = jax.jit(fwd.forward, static_argnums=1, static_argnames=("attention",))
-    cache = KVCache.create(c, 1, args.prompt_len + 8, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
-    cache = cache.replace(lengths=jnp.full((1,), args.prompt_len, jnp.int32))
+    cache = filled_cache(model, 1, args.prompt_len, args.prompt_len + 8)  # (the prefix its experts are counted after)
     base = None
     for k in ([0] + [int(x) for x in args.ks.split(",")] if "verify" not in skip else []):
         tokens = jnp.asarray(rng.integers(1, c.vocab_size, (1, k + 1)), jnp.int32)

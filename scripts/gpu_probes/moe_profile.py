@@ -18,6 +18,7 @@ import collections
 import gzip
 import json
 import pathlib
+import re
 import tempfile
 import time
 
@@ -26,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec.model.forward as fwd
-from jaxspec.bench.experts import ROUTINGS, with_routing
+from jaxspec.bench.experts import ROUTINGS, filled_cache, unique_experts, with_routing
+from jaxspec.bench.scale import forward_tokens
 from jaxspec.bench.shapes import random_model
-from jaxspec.model.cache import KVCache
 from jaxspec.serving.options import RunOptions
 
 
@@ -37,12 +38,12 @@ def emit(**row):
 
 
 def passes(model, t: int, prompt_len: int, steps: int):
-    """A jitted loop of `steps` forward passes over t tokens at batch 1 (each pass's tokens shifted
-    by its index, so none is hoisted), and its arguments."""
+    """A jitted loop of `steps` forward passes over t tokens at batch 1 after a prefix of prompt_len
+    (its K/V in the cache; 0: an empty cache), each pass's tokens shifted by its index so none is
+    hoisted, and its arguments: as `jaxspec bench`'s forward rows."""
     c = model.config
-    cache = KVCache.create(c, 1, prompt_len + t, model.dtype, stacked=not isinstance(model.weights.layers, tuple))
-    cache = cache.replace(lengths=jnp.full((1,), prompt_len, jnp.int32))
-    tokens = jnp.asarray(np.random.default_rng(t).integers(1, c.vocab_size, (1, t)), jnp.int32)
+    cache = filled_cache(model, 1, prompt_len, prompt_len + t)
+    tokens = jnp.asarray(forward_tokens(c.vocab_size, 1, t), jnp.int32)
     attention = RunOptions().attention_impl
 
     @jax.jit
@@ -70,6 +71,18 @@ def device_events(trace: dict) -> tuple[list[dict], str]:
     return events, where
 
 
+def op_names(run, args) -> dict[str, str]:
+    """Each instruction of the compiled program by name (as the trace names its kernels) -> the
+    JAX operation it came from (the HLO's op_name metadata, its jit and loop prefixes dropped)."""
+    text = run.lower(*args).compile().as_text()
+    names = {}
+    for line in text.splitlines():
+        m = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]+)"', line)
+        if m:
+            names.setdefault(m.group(1), re.sub(r"jit\([^)]*\)/|closed_call/|while/body/", "", m.group(2))[-100:])
+    return names
+
+
 def profile(run, args, steps: int) -> tuple[list[dict], float, str]:
     jax.block_until_ready(run(*args))  # compiled and warm
     with tempfile.TemporaryDirectory() as folder:
@@ -89,7 +102,7 @@ def main() -> int:
     p.add_argument("--shape", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", default="1,4", help="tokens per pass, comma-separated")
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128, help="the prefix in the cache (0: none)")
     p.add_argument("--steps", type=int, default=32, help="passes in the traced loop")
     p.add_argument("--top", type=int, default=25, help="kernels reported per pass, by time")
     p.add_argument("--routing", choices=ROUTINGS, default="random")
@@ -100,6 +113,7 @@ def main() -> int:
     for t in (int(x) for x in args.tokens.split(",") if x):
         run, run_args = passes(model, t, args.prompt_len, args.steps)
         events, wall, where = profile(run, run_args, args.steps)
+        ops = op_names(run, run_args)
         total, count = collections.Counter(), collections.Counter()
         for e in events:
             total[e["name"]] += float(e.get("dur", 0))
@@ -107,8 +121,9 @@ def main() -> int:
         busy = sum(total.values()) / args.steps
         for name, us in total.most_common(args.top):
             emit(kind="kernel", tokens=t, name=name[:120], us_per_pass=round(us / args.steps, 2),
-                 launches_per_pass=round(count[name] / args.steps, 2))
-        emit(kind="pass", tokens=t, where=where, busy_us=round(busy, 1), wall_us=round(1e6 * wall, 1),
+                 launches_per_pass=round(count[name] / args.steps, 2), op=ops.get(name, ""))
+        experts = unique_experts(model, np.asarray(run_args[1]), args.prompt_len, passes=4) if model.config.is_moe else 0
+        emit(kind="pass", tokens=t, experts_per_layer=experts, where=where, busy_us=round(busy, 1), wall_us=round(1e6 * wall, 1),
              kernels=len(total), launches_per_pass=round(sum(count.values()) / args.steps, 1))
     return 0
 

@@ -56,6 +56,16 @@ profile)
     done
     grep -h '"pass"' "$out"/qwen3-profile-*.jsonl
     ;;
+passes)
+    run qwen3-profile 150 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 1,4 --top 45
+    run qwen3-profile-empty 90 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 4 --top 3 --prompt-len 0
+    run qwen3-passes 170 python3 -m jaxspec.cli bench --shape $q --parts forward --verify-sizes 1,2,3,4,5 --spec-k 3 \
+        --prompt-lens 128 --no-hf --routing random
+    run mixtral-passes 150 python3 -m jaxspec.cli bench --shape $m --parts forward --verify-sizes 1,2,3,4,6 --spec-k 3 \
+        --prompt-lens 128 --no-hf --routing random
+    grep -h '"pass"' "$out"/qwen3-profile*.jsonl
+    grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
+    ;;
 qwen3)
     bench_qwen3 random 560
     ;;
@@ -71,7 +81,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
