@@ -56,6 +56,7 @@ from jaxspec.sampling_params import GREEDY
 from jaxspec.serving.batching import bucket, cache_capacity, make_batch
 from jaxspec.serving.options import RunOptions
 from jaxspec.serving.requests import Request
+import pallas_kernels.experts as experts_module
 from pallas_kernels.experts import experts_mlp, experts_mlp_reference, grouped_layout
 from pallas_kernels.matmul import BLOCK_M
 from pallas_kernels.router import router_topk
@@ -117,7 +118,11 @@ def main() -> int:
     p.add_argument("--routing", choices=ROUTINGS, default="random",
                    help="random routers, or zeroed ones so every token chooses the same experts (the locality bound)")
     p.add_argument("--skip", default="", help="parts to leave out: step, verify, expert_op (comma-separated)")
+    p.add_argument("--compare-max-pairs", type=int, help="pallas_kernels.experts.COMPARE_MAX_PAIRS for this run: "
+                   "the most pairs grouped by comparison rather than sorting (default: the module's)")
     args = p.parse_args()
+    if args.compare_max_pairs is not None:  # read when a pass is traced, so before any is
+        experts_module.COMPARE_MAX_PAIRS = args.compare_max_pairs
     # torch's device copy, in its own process before JAX holds the GPU (none on the CPU): faster
     # than JAX's, so the floor is the one `jaxspec bench` uses (docs/moe.md, "The floor")
     with contextlib.redirect_stdout(sys.stderr):  # (its complaint, on the CPU, is no JSON row)
@@ -130,7 +135,8 @@ def main() -> int:
     skip = set(args.skip.split(",")) | ({"expert_op"} if args.quantize else set())  # (its XLA paths take floats)
     emit(kind="machine", shape=args.shape, dtype=args.dtype, quantize=args.quantize, routing=args.routing, copy_gb_s=round(bw / 1e9, 1),
          jax_copy_gb_s=round(jax_bw / 1e9, 1), torch_copy_gb_s=torch_bw and round(torch_bw / 1e9, 1),
-         expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", router=fwd.ROUTER_PATH, **machine())
+         expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", router=fwd.ROUTER_PATH,
+         compare_max_pairs=experts_module.COMPARE_MAX_PAIRS, **machine())
     emit(kind="layer", **{k: v for k, v in sizes.items()}, experts=c.num_experts, experts_per_token=c.experts_per_token)
     rng = np.random.default_rng(0)
     loop, _ = DecodeMethod("plain").loop(model, None)
