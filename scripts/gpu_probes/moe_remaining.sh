@@ -61,12 +61,14 @@ passes)
     run qwen3-profile-empty 90 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 4 --top 3 --prompt-len 0
     run qwen3-passes 170 python3 -m jaxspec.cli bench --shape $q --parts forward --verify-sizes 1,2,3,4,5 --spec-k 3 \
         --prompt-lens 128 --no-hf --routing random
+    grep -h '"pass"' "$out"/qwen3-profile*.jsonl
+    grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
+    ;;
+sort)
     for pairs in 256 1024; do  # batch 64's 512 pairs sorted (COMPARE_MAX_PAIRS 256) or compared
         run qwen3-b64-compare-$pairs 75 python3 $costs --shape $q --batches 64 --skip verify,expert_op \
             --compare-max-pairs $pairs
     done
-    grep -h '"pass"' "$out"/qwen3-profile*.jsonl
-    grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
     grep -h '"step"' "$out"/qwen3-b64-*.jsonl
     ;;
 mixtral-passes)
@@ -89,7 +91,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
