@@ -478,13 +478,14 @@ def route(c: ModelConfig, h, router, deterministic):
 
 
 def _route_xla(c: ModelConfig, h, router, deterministic):
-    logits = _router_logits(h, router, deterministic)
+    # (top_k of the logits then a softmax of the k, the same weights with one kernel fewer, ran a
+    # Qwen3-30B-A3B step at batch 64 in 8.93 ms against 4.85 by the router's kernels on an H100,
+    # 2026-12-07; the softmax first was 4.54 a session before: so the softmax stays first)
+    probs = jax.nn.softmax(_router_logits(h, router, deterministic), axis=-1)
+    weights, experts = jax.lax.top_k(probs, c.experts_per_token)
     if c.norm_topk_prob:
-        # The softmax's top k renormalized is the softmax of the k largest logits (the softmax keeps
-        # the order): no softmax over every expert, one GPU kernel fewer a layer.
-        top, experts = jax.lax.top_k(logits, c.experts_per_token)
-        return jax.nn.softmax(top, axis=-1), experts
-    return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), c.experts_per_token)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
 
 
 def _router_logits(h, router, deterministic):
