@@ -271,3 +271,20 @@ def test_the_moe_costs_script_prints_every_row_kind_on_a_tiny_shape(monkeypatch,
     assert op["router_kernel_1_program_us"] > 0 and op["router_kernel_64_programs_us"] > 0 and not any(
         name.endswith("_error") for name in op)
     assert rows[2]["unique_experts_per_layer"] == 4 and rows[4]["unique_experts_per_layer"] > 4
+
+
+def test_the_moe_profile_script_sums_a_pass_s_kernels_and_counts_its_experts(monkeypatch, capsys):
+    """The device probe behind docs/moe.md's kernel-by-kernel table, run on the CPU (the host's XLA
+    threads stand in for the device's streams): kernel rows with their JAX operations, and a
+    pass row per token count with its experts (one token: its k)."""
+    module = _script("moe_profile", monkeypatch)
+    monkeypatch.setattr("sys.argv", ["moe_profile", "--shape", "tiny-moe", "--dtype", "float32", "--tokens", "1,3",
+                                     "--steps", "2", "--prompt-len", "8"])
+    assert module.main() == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    passes = [r for r in rows if r["kind"] == "pass"]
+    kernels = [r for r in rows if r["kind"] == "kernel"]
+    assert [p["tokens"] for p in passes] == [1, 3] and all(p["busy_us"] > 0 and p["launches_per_pass"] > 0
+                                                            for p in passes)
+    assert passes[0]["experts_per_layer"] == 4 and passes[1]["experts_per_layer"] > 4
+    assert kernels and all(k["us_per_pass"] >= 0 for k in kernels) and any(k["op"] for k in kernels)
