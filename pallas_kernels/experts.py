@@ -210,10 +210,11 @@ def grouped_layout(h, experts, num_experts: int, method: str | None = None):
 def few_tokens_layout(h, experts, num_experts: int):
     """The layout of up to BLOCK_M tokens (h [m, d], experts [m * k]), with nothing scattered: x
     is the tokens themselves, padded to one block that every block multiplies (shared_x), and
-    each distinct expert takes the block of the first pair that chose it, whose row i is token i
-    through that expert; each pair's output is its token's row in its expert's block. A row's sums
-    do not depend on its block or row, so every token's bits are the grouped layout's. One token
-    (a decode step at batch 1) needs not even the comparison: its k experts are distinct (a
+    each distinct expert held here takes a block, in the order of the pairs that first chose
+    them (min(m * k, num_experts) blocks, the unused ones -1), whose row i is token i through that
+    expert; each pair's output is its token's row in its expert's block. A row's sums do not
+    depend on its block or row, so every token's bits are the grouped layout's. One token (a
+    decode step at batch 1) needs not even the comparison: its k experts are distinct (a
     repeated one would be read twice, still correctly), so its blocks are its pairs in order and
     each output the first row of its block. -> (x, block_expert, read_back), for expert_matmul's
     shared_x."""
@@ -221,17 +222,22 @@ def few_tokens_layout(h, experts, num_experts: int):
     k = p // m
     kept = (experts >= 0) & (experts < num_experts)  # (pairs routed to another device: skipped)
     x = jnp.pad(h, ((0, BLOCK_M - m), (0, 0)))
-    if m == 1:
-        first = jnp.arange(p)
+    if m == 1 and k <= num_experts:
+        block_expert = jnp.where(kept, experts, -1)
         rows = lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]  # noqa: E731
-    else:  # each pair's first pair of the same expert: a [P, P] comparison XLA fuses
+    else:  # [P, P] comparisons XLA fuses: each pair's first pair of its expert, and that one's rank
+        # among the first pairs (so the blocks are the distinct experts, compacted)
         bins = jnp.where(kept, experts, num_experts)
         first = jnp.argmax(bins[:, None] == bins[None, :], axis=1)
-        rows = lambda out: jnp.take(out, first * BLOCK_M + jnp.arange(p) // k, axis=0)  # noqa: E731
-    block_expert = jnp.where(kept & (first == jnp.arange(p)), experts, -1).astype(jnp.int32)
+        leads = kept & (first == jnp.arange(p))
+        rank = jnp.sum(jnp.tril(jnp.ones((p, p), bool), -1) & leads[None, :], axis=1, dtype=jnp.int32)
+        blocks = min(p, num_experts)
+        chosen = leads[None, :] & (rank[None, :] == jnp.arange(blocks)[:, None])  # [blocks, P]
+        block_expert = jnp.max(jnp.where(chosen, experts[None, :], -1), axis=1)
+        rows = lambda out: jnp.take(out, rank[first] * BLOCK_M + jnp.arange(p) // k, axis=0)  # noqa: E731
     # (a skipped pair's rows are never written: where, not a product, keeps them out)
     read_back = lambda out: jnp.where(kept[:, None], rows(out), 0)  # noqa: E731
-    return x, block_expert, read_back
+    return x, block_expert.astype(jnp.int32), read_back
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,

@@ -121,6 +121,17 @@ def test_experts_split_over_devices_add_up_to_the_whole(m):
     np.testing.assert_allclose(np.asarray(shares[0] + shares[1]), np.asarray(whole), rtol=1e-6, atol=1e-6)
 
 
+def test_one_tokens_experts_over_devices_holding_fewer_than_it_chooses():
+    """Expert parallelism where each device holds 2 of 8 experts, fewer than a token's 4 choices:
+    its blocks are then the distinct experts it holds, not the token's pairs; the shares still add
+    up to the whole."""
+    h, experts, weights, gate_up, down = routed(np.random.default_rng(8), 1, 8, 4, d=64, f=32)
+    whole = experts_mlp(h, experts, weights, gate_up, down, interpret=True)
+    shares = [experts_mlp(h, experts, weights, gate_up[i:i + 2], down[i:i + 2], first_expert=i, interpret=True)
+              for i in range(0, 8, 2)]
+    np.testing.assert_allclose(np.asarray(sum(shares)), np.asarray(whole), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ((jnp.ones((16, 64)), jnp.ones((4, 32, 32)), jnp.zeros((1,), jnp.int32)), {}, r"w must be \[E, k=64, n\]"),
     ((jnp.ones((16, 64)), jnp.ones((4, 64, 32)), jnp.zeros((1,), jnp.int32)), {"gated": True},

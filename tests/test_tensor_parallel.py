@@ -393,12 +393,12 @@ def test_split_forward_lowers_for_two_gpus_ahead_of_time(monkeypatch, platform, 
 
 
 def test_experts_split_by_expert_lower_for_two_gpus_ahead_of_time(monkeypatch):
-    """Expert parallelism on two (abstract) H200s: each runs the grouped expert kernel over its
-    own 8 of the 16 experts (32 pairs / 16 rows + 8 experts = 10 blocks; all 16 would make 18),
-    and the experts' outputs join in the all-reduce."""
+    """Expert parallelism on two (abstract) H200s: each runs the expert kernel over its own 8 of
+    the 16 experts (8 tokens' 32 pairs, few_tokens_layout: a block per distinct expert held, at
+    most 8; all 16 would make 16), and the experts' outputs join in the all-reduce."""
     _, text = _lower_split_forward(monkeypatch, "cuda", "NVIDIA H200", "tiny-moe", expert_parallel=True)
     assert 'name = "expert_matmul_gated"' in text and 'name = "expert_matmul"' in text
-    assert text.count("grid_x = 10 : i32") == 2 and "all_reduce" in text
+    assert text.count("grid_x = 8 : i32") == 2 and "all_reduce" in text
 
 
 def test_batch_job_split_two_ways(tmp_path, real_pair):
