@@ -15,6 +15,7 @@ from jaxspec.model.cache import KVCache
 from jaxspec.model.loading import Model
 
 ROUTINGS = ("random", "same")
+_forward = jax.jit(fwd.forward, static_argnums=1, static_argnames=("routing",))
 
 
 def context_tokens(vocab: int, batch: int, length: int) -> np.ndarray:
@@ -35,7 +36,7 @@ def filled_cache(model: Model, batch: int, length: int, capacity: int, mesh=None
     if not length:
         return cache
     prefix = jnp.asarray(context_tokens(c.vocab_size, batch, length), jnp.int32)
-    _, filled = jax.jit(fwd.forward, static_argnums=1)(model.weights, c, prefix, cache)
+    _, filled = _forward(model.weights, c, prefix, cache)
     filled = jax.tree.map(lambda a, was: jax.device_put(a, was.sharding), filled, cache)  # (placed as created)
     return filled.replace(lengths=jnp.full((batch,), length, jnp.int32, device=cache.lengths.sharding))
 
@@ -49,7 +50,7 @@ def unique_experts(model: Model, tokens: np.ndarray, cache_len: int, passes: int
     counts = []
     for i in range(passes):
         shifted = jnp.asarray((tokens + i) % model.config.vocab_size, jnp.int32)
-        *_, routing = fwd.forward(model.weights, model.config, shifted, cache, routing=True)
+        *_, routing = _forward(model.weights, model.config, shifted, cache, routing=True)
         counts += [len(np.unique(layer)) for layer in np.asarray(routing)]  # [L, b, t, k]: a layer each
     return float(np.mean(counts))
 

@@ -163,11 +163,16 @@ def forward_loop(model, batch: int, prefix: int, chunk_mask: np.ndarray, attenti
     lengths = jnp.full((batch,), prefix, jnp.int32, device=cache.lengths.sharding)
     state = {"cache": committed(cache.replace(lengths=lengths))}
 
+    def args():
+        return (model.weights, state["cache"], tokens, positions, mask)
+
     def run():  # the loop donates the cache and hands it back for the next call
-        state["cache"], acc = _forward_loop(model.weights, state["cache"], tokens, positions, mask,
-                                            config=model.config, steps=steps, attention=attention)
+        state["cache"], acc = _forward_loop(*args(), config=model.config, steps=steps, attention=attention)
         acc.block_until_ready()
 
+    # the compiled loop's program text, for naming its kernels (scripts/gpu_probes/moe_profile.py)
+    run.compiled_text = lambda: _forward_loop.lower(*args(), config=model.config, steps=steps,
+                                                    attention=attention).compile().as_text()
     return run
 
 

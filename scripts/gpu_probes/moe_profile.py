@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a mixture-of-experts pass's time goes, kernel by kernel (issue 51): one forward pass at
 batch 1 over T tokens (T = 1: a plain decode step; T = K + 1: a chain's verify pass), --steps of
-them inside one jitted loop, traced by JAX's profiler; the device's kernels summed by name, one
+them inside one jitted loop (`jaxspec bench`'s forward_loop: the passes its forward rows time),
+traced by JAX's profiler; the device's kernels summed by name, one
 JSON line each (us per pass, launches per pass), then a line per T with the device's busy time and
 the wall time per pass (their difference: gaps between kernels).
 
@@ -23,36 +24,17 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxspec.model.forward as fwd
-from jaxspec.bench.experts import ROUTINGS, filled_cache, unique_experts, with_routing
-from jaxspec.bench.scale import forward_tokens
+from jaxspec.bench.experts import ROUTINGS, unique_experts, with_routing
+from jaxspec.bench.scale import forward_loop, forward_tokens
 from jaxspec.bench.shapes import random_model
 from jaxspec.serving.options import RunOptions
 
 
 def emit(**row):
     print(json.dumps(row), flush=True)
-
-
-def passes(model, t: int, prompt_len: int, steps: int):
-    """A jitted loop of `steps` forward passes over t tokens at batch 1 after a prefix of prompt_len
-    (its K/V in the cache; 0: an empty cache), each pass's tokens shifted by its index so none is
-    hoisted, and its arguments: as `jaxspec bench`'s forward rows."""
-    c = model.config
-    cache = filled_cache(model, 1, prompt_len, prompt_len + t)
-    tokens = jnp.asarray(forward_tokens(c.vocab_size, 1, t), jnp.int32)
-    attention = RunOptions().attention_impl
-
-    @jax.jit
-    def run(weights, tokens, cache):
-        def body(i, total):
-            logits, _ = fwd.forward(weights, c, (tokens + i) % c.vocab_size, cache, attention=attention)
-            return total + jnp.sum(logits[:, -1, :8])
-        return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.float32))
-    return run, (model.weights, tokens, cache)
 
 
 def device_events(trace: dict) -> tuple[list[dict], str]:
@@ -71,10 +53,9 @@ def device_events(trace: dict) -> tuple[list[dict], str]:
     return events, where
 
 
-def op_names(run, args) -> dict[str, str]:
-    """Each instruction of the compiled program by name (as the trace names its kernels) -> the
-    JAX operation it came from (the HLO's op_name metadata, its jit and loop prefixes dropped)."""
-    text = run.lower(*args).compile().as_text()
+def op_names(text: str) -> dict[str, str]:
+    """Each instruction of a compiled program's text by name (as the trace names its kernels) ->
+    the JAX operation it came from (the HLO's op_name metadata, its jit and loop prefixes dropped)."""
     names = {}
     for line in text.splitlines():
         m = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name="([^"]+)"', line)
@@ -85,12 +66,13 @@ def op_names(run, args) -> dict[str, str]:
     return names
 
 
-def profile(run, args, steps: int) -> tuple[list[dict], float, str]:
-    jax.block_until_ready(run(*args))  # compiled and warm
+def profile(run, steps: int) -> tuple[list[dict], float, str]:
+    """run (forward_loop's: it blocks until its passes are done) traced once, warm."""
+    run()  # compiled and warm
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
             start = time.perf_counter()
-            jax.block_until_ready(run(*args))
+            run()
             wall = time.perf_counter() - start
         trace_file, = pathlib.Path(folder).glob("plugins/profile/*/*.trace.json.gz")
         with gzip.open(trace_file) as f:
@@ -113,9 +95,11 @@ def main() -> int:
     emit(kind="machine", shape=args.shape, device=str(jax.devices()[0].device_kind), routing=args.routing,
          expert_path=fwd.FORCED_EXPERT_PATH or "engine's choice", router=fwd.ROUTER_PATH)
     for t in (int(x) for x in args.tokens.split(",") if x):
-        run, run_args = passes(model, t, args.prompt_len, args.steps)
-        events, wall, where = profile(run, run_args, args.steps)
-        ops = op_names(run, run_args)
+        # the passes `jaxspec bench`'s forward rows time: t tokens after the prefix, shifted each pass
+        run = forward_loop(model, 1, args.prompt_len, np.tril(np.ones((t, t), bool)), RunOptions().attention_impl,
+                           args.steps)
+        events, wall, where = profile(run, args.steps)
+        ops = op_names(run.compiled_text())
         total, count = collections.Counter(), collections.Counter()
         for e in events:
             total[e["name"]] += float(e.get("dur", 0))
@@ -124,7 +108,8 @@ def main() -> int:
         for name, us in total.most_common(args.top):
             emit(kind="kernel", tokens=t, name=name[:120], us_per_pass=round(us / args.steps, 2),
                  launches_per_pass=round(count[name] / args.steps, 2), op=ops.get(name, ""))
-        experts = unique_experts(model, np.asarray(run_args[1]), args.prompt_len, passes=4) if model.config.is_moe else 0
+        tokens = forward_tokens(model.config.vocab_size, 1, t)
+        experts = unique_experts(model, tokens, args.prompt_len, passes=4) if model.config.is_moe else 0
         emit(kind="pass", tokens=t, experts_per_layer=experts, where=where, busy_us=round(busy, 1), wall_us=round(1e6 * wall, 1),
              kernels=len(total), launches_per_pass=round(sum(count.values()) / args.steps, 1))
     return 0
