@@ -247,6 +247,30 @@ def _kernel_project(spec: str, x, w, out_dtype=None, split_k: bool = True):
     return out.reshape(*x.shape[:2], *out_axes)
 
 
+# XLA's GPU simplifier rewrites a dot with a vector operand into multiply + reduce kernels when the
+# sizes of its unbatched operand matrices sum to under this many elements (its
+# IsMatrixMultiplicationTooSmallForRewriting threshold, 10M in the JAX 0.10-0.12 releases): only
+# those one-row products need _project's zero row. Larger ones (every projection of the 8B, Qwen3-
+# 30B-A3B's q/k/v) stay GEMMs without it, and the pad, its barrier and the slice are kernels saved.
+# JAXSPEC_PAD_ONE_ROW=all pads every one-row product, as before, to measure the two end to end.
+XLA_DOT_REWRITE_BELOW = 10_000_000
+PAD_ONE_ROW_ENV = "JAXSPEC_PAD_ONE_ROW"
+
+
+def _pad_one_row_rule(value: str) -> str:
+    if value not in ("", "small", "all"):
+        raise InputError(f"{PAD_ONE_ROW_ENV} must be small or all (or unset); got {value!r}")
+    return value or "small"
+
+
+PAD_ONE_ROW = _pad_one_row_rule(os.environ.get(PAD_ONE_ROW_ENV, ""))
+
+
+def _rewritten_as_reduce(x, w) -> bool:
+    """Whether XLA would turn this one-row product x [1, 1, k...] @ w into multiply + reduce."""
+    return PAD_ONE_ROW == "all" or math.prod(x.shape[2:]) + w.size < XLA_DOT_REWRITE_BELOW
+
+
 def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool | DeterministicParts | None = False,
              norm: Norm | None = None, gated: bool = False, residual=None, **kwargs):
     """A weight matmul of activations x [b, t, ...] (8-bit weights: _quantized, whose contracted
@@ -255,7 +279,8 @@ def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool | Determini
     vector-matrix product with a matrix under 10M elements into multiply + reduce kernels, which
     ran the 1B draft's q/k/v and o projections far below the memory bandwidth (a one-token pass
     took 1.24 ms against 1.01 ms for two, H200). A zero row keeps a one-row product on the GEMM
-    path; the barrier stops the simplifier from seeing through it. deterministic: True or a
+    path; the barrier stops the simplifier from seeing through it. Only products small enough
+    for that rewrite are padded (XLA_DOT_REWRITE_BELOW). deterministic: True or a
     DeterministicParts (its projections off: the default mode's XLA path)."""
     if isinstance(w, Quantized):
         return _quantized(x, w, kwargs.get("preferred_element_type"), deterministic, norm, gated, residual)
@@ -264,7 +289,7 @@ def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool | Determini
     parts = deterministic_parts(deterministic)
     if parts and parts.projections:
         out = _kernel_project(spec, x, w, kwargs.get("preferred_element_type"), parts.split_k)
-    elif not (pad_one_row and x.shape[0] * x.shape[1] == 1):
+    elif not (pad_one_row and x.shape[0] * x.shape[1] == 1 and _rewritten_as_reduce(x, w)):
         out = _einsum(spec, x, w, **kwargs)
     else:
         padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))

@@ -9,6 +9,10 @@
 #                                                        # (the router's product over 16, 1 and 64 programs). On an
 #                                                        # H100 on 2026-12-07 the one-program router lost to XLA's
 #                                                        # (docs/moe.md); B = 64 checks sorting past 256 pairs
+#   bash scripts/gpu_probes/moe_remaining.sh passes      # the batch-1 pass and a 4-token pass kernel by kernel, over a
+#                                                        # 128-token prefix and over an empty cache; verify passes 1-5
+#   bash scripts/gpu_probes/moe_remaining.sh pads        # the 1-token profile with every one-row product padded (before)
+#   bash scripts/gpu_probes/moe_remaining.sh pads-steps  # plain B = 1 steps, Qwen3 and the 8B, under both pad rules
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -64,6 +68,20 @@ passes)
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
     ;;
+pads)  # one-row products padded only under XLA's rewrite threshold (the default) or all of them, as before
+    JAXSPEC_PAD_ONE_ROW=all run qwen3-profile-padall 120 python3 scripts/gpu_probes/moe_profile.py --shape $q \
+        --tokens 1 --top 45
+    grep -h '"pass"' "$out"/qwen3-profile*.jsonl
+    ;;
+pads-steps)  # the same through the public API: plain steps at batch 1, Qwen3 and the dense 8B
+    for rule in small all; do
+        JAXSPEC_PAD_ONE_ROW=$rule run qwen3-plain-pad$rule 120 python3 -m jaxspec.cli bench --shape $q --parts plain \
+            --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random
+        JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 150 python3 -m jaxspec.cli bench --shape llama3-8b \
+            --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
+    done
+    grep -h '"plain"' "$out"/*-plain-pad*.jsonl | cut -c1-300
+    ;;
 sort)
     for pairs in 256 1024; do  # batch 64's 512 pairs sorted (COMPARE_MAX_PAIRS 256) or compared
         run qwen3-b64-compare-$pairs 75 python3 $costs --shape $q --batches 64 --skip verify,expert_op \
@@ -91,7 +109,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|pads|pads-steps|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
