@@ -68,6 +68,9 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float,
     # As HF: normalise in float32, cast back to the activation dtype, then scale.
     parts = deterministic_parts(deterministic)
     if parts and parts.norms:  # the kernel's sum of squares has one order for any number of rows
+        if weight.ndim > 1:  # a weight per row (q/k norms): the kernel's rows times one (exact), then theirs
+            ones = jnp.ones(x.shape[-1], x.dtype)
+            return weight.astype(x.dtype) * rms_norm_kernel.rms_norm(x, ones, eps, interpret=_interpret())
         return rms_norm_kernel.rms_norm(x, weight.astype(x.dtype), eps, interpret=_interpret())
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -374,19 +377,16 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
     qkv = _add(_project("btd,dnjk->btnjk", h, w.wqkv, pad_one_row, det, norm), w.bqkv)  # j: g queries, key, value
     v = qkv[:, :, :, g + 1]
     cos, sin = rope_tables(positions, inv_freq, qkv.dtype)
-    if c.qk_norm:  # each normed, then rotated
-        q = rms_norm(qkv[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps, det)
-        k = rms_norm(qkv[:, :, :, g], w.k_norm, c.rms_norm_eps, det)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        fused_q, fused_k, fused_v, k_index = q, k, qkv, 0
-    else:  # queries and keys in one rotation (one kernel on GPUs, not two)
-        qk = apply_rope(qkv[:, :, :, : g + 1].reshape(b, t, -1, c.head_dim), cos, sin)
-        qk = qk.reshape(b, t, c.num_kv_heads, g + 1, c.head_dim)
-        q, k = qk[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), qk[:, :, :, g]
-        # The rotated queries and keys beside the values: one kernel makes all the Pallas
-        # kernel reads (the projection's output is read once, not by a rotation and the kernel).
-        fused_q = fused_k = fused_v = jnp.concatenate([qk, qkv[:, :, :, g + 1:]], axis=3)
-        k_index = g
+    qk = qkv[:, :, :, : g + 1]  # each kv head's g queries and its key
+    if c.qk_norm:  # each head normed by its own weight (Qwen3), queries and keys in one norm
+        qk = rms_norm(qk, jnp.concatenate([jnp.broadcast_to(w.q_norm, (g, c.head_dim)), w.k_norm[None]]),
+                      c.rms_norm_eps, det)
+    # queries and keys in one rotation (one kernel on GPUs, not two)
+    qk = apply_rope(qk.reshape(b, t, -1, c.head_dim), cos, sin).reshape(b, t, c.num_kv_heads, g + 1, c.head_dim)
+    q, k = qk[:, :, :, :g].reshape(b, t, c.num_heads, c.head_dim), qk[:, :, :, g]
+    # The rotated queries and keys beside the values: one kernel makes all the Pallas kernel reads
+    # (the projection's output is read once, not by a rotation and the kernel).
+    fused = jnp.concatenate([qk, qkv[:, :, :, g + 1:]], axis=3)
 
     if impl == "pallas":
         # The kernel reads q, k and v where the projection left them and writes the chunk's keys
@@ -394,7 +394,7 @@ def self_attention(c: ModelConfig, inv_freq, mask, positions, chunk_mask, impl: 
         # slots < lengths; the chunk's own keys come in beside it under chunk_mask.
         layer_k, layer_v = (cache_k, cache_v) if layer is None else (cache_k[layer], cache_v[layer])
         attn, layer_k, layer_v = tree_attention(
-            fused_q, layer_k, layer_v, fused_k, fused_v, lengths, chunk_mask, groups=g, k_index=k_index, v_index=g + 1,
+            fused, layer_k, layer_v, fused, fused, lengths, chunk_mask, groups=g, k_index=g, v_index=g + 1,
             write_cache=True, interpret=_interpret())
         if layer is None:
             cache_k, cache_v = layer_k, layer_v
