@@ -22,7 +22,7 @@
 #
 # Then: python3 scripts/gpu_probes/moe_full_depth.py $OUT/*.json (the projections at full depth).
 set -u
-out=${OUT:-runs/moe}
+out=$(realpath -m "${OUT:-runs/moe}")
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.}
 costs=scripts/gpu_probes/moe_costs.py
@@ -73,6 +73,20 @@ pads)  # one-row products padded only under XLA's rewrite threshold (the default
         --tokens 1 --top 45
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     ;;
+ab)  # plain B = 1 steps against an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts,
+    # e.g. git archive REV jaxspec pallas_kernels scripts | tar -x -C runs/base, carried): Qwen3, then the 8B
+    # under both pad rules
+    base=${BASE:-runs/base}
+    run qwen3-plain-new 110 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
+        --new-tokens 64 --no-hf --routing random
+    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 110 python3 -m jaxspec.cli bench --shape $q --parts plain \
+        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
+    for rule in small all; do
+        JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 150 python3 -m jaxspec.cli bench --shape llama3-8b \
+            --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
+    done
+    grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
+    ;;
 pads-steps)  # the same through the public API: plain steps at batch 1, Qwen3 and the dense 8B
     for rule in small all; do
         JAXSPEC_PAD_ONE_ROW=$rule run qwen3-plain-pad$rule 120 python3 -m jaxspec.cli bench --shape $q --parts plain \
@@ -109,7 +123,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|pads|pads-steps|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|pads|pads-steps|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
