@@ -82,3 +82,15 @@ def test_the_router_kernel_lowers_ahead_of_time(platform, device_kind, d, e, k):
         text = router_topk.trace(jax.ShapeDtypeStruct((4, d), jnp.bfloat16), jax.ShapeDtypeStruct((d, e), jnp.bfloat16),
                                  k=k, normalize=True).lower(lowering_platforms=(platform,)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2 and "router_logits" in text and "router_choose" in text
+
+
+@pytest.mark.parametrize("path, backend, tokens, kernel", [
+    ("auto", "gpu", 1, True), ("auto", "gpu", 2, False), ("auto", "cpu", 1, False),
+    ("kernel", "cpu", 8, True), ("xla", "gpu", 1, False)])
+def test_the_engine_routes_one_token_through_the_kernels_by_default(monkeypatch, path, backend, tokens, kernel):
+    """JAXSPEC_ROUTER's rule (forward.ROUTER_PATH): by default the kernels route one token on an
+    accelerator (a decode step at batch 1, where they measured faster) and XLA's ops the rest."""
+    from jaxspec.model import forward
+    monkeypatch.setattr(forward, "ROUTER_PATH", path)
+    monkeypatch.setattr(forward.jax, "default_backend", lambda: backend)
+    assert forward._router_kernel(tokens) == kernel

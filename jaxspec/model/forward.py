@@ -471,22 +471,29 @@ def expert_path(tokens: int, pairs: int, expert_bytes: int, deterministic) -> st
 
 
 # The router (norm aside: product, softmax, top-k, renormalization) by XLA's kernels, or by two
-# Pallas kernels (pallas_kernels/router.py) where JAXSPEC_ROUTER=kernel: for one Qwen3-30B-A3B
-# token on an H100 XLA's took 20.5 us a layer, and a first kernel, one program reading the whole
-# router, 21.2 (docs/moe.md). The product is now spread over programs, not yet timed on a GPU, so
-# XLA's stays the default until it is (scripts/gpu_probes/moe_remaining.sh router times both).
-# Deterministic mode keeps its own (the matmul kernel's product). Read when jaxspec is imported.
-ROUTER_PATHS = ("xla", "kernel")
+# Pallas kernels (pallas_kernels/router.py). Measured through jaxspec bench on an H100 (Qwen3-30B-
+# A3B, 8 layers, docs/moe.md): a step at batch 1 took 0.898 ms with the kernels against 0.921 by
+# XLA's, at batch 8 2.158 against 2.079, at 64 4.85 against 4.54 (a session apart). So "auto" (the
+# default) runs the kernels for one token on accelerators and XLA's elsewhere; JAXSPEC_ROUTER=kernel
+# or xla forces one (read when jaxspec is imported). Deterministic mode keeps its own (the matmul kernel's product).
+ROUTER_PATHS = ("auto", "xla", "kernel")
 ROUTER_ENV = "JAXSPEC_ROUTER"
+ROUTER_KERNEL_MAX_TOKENS = 1
 
 
 def _router_path(value: str) -> str:
     if value and value not in ROUTER_PATHS:
         raise InputError(f"{ROUTER_ENV} must be one of {', '.join(ROUTER_PATHS)} (or unset); got {value!r}")
-    return value or "xla"
+    return value or "auto"
 
 
 ROUTER_PATH = _router_path(os.environ.get(ROUTER_ENV, ""))
+
+
+def _router_kernel(tokens: int) -> bool:
+    if ROUTER_PATH == "auto":
+        return jax.default_backend() != "cpu" and tokens <= ROUTER_KERNEL_MAX_TOKENS
+    return ROUTER_PATH == "kernel"
 
 
 def route(c: ModelConfig, h, router, deterministic):
@@ -494,8 +501,8 @@ def route(c: ModelConfig, h, router, deterministic):
     experts [b, t, k] int32), the softmax's top experts_per_token, renormalized when
     norm_topk_prob."""
     k = c.experts_per_token
-    if ROUTER_PATH == "kernel" and not deterministic and router.dtype == h.dtype:
-        b, t, d = h.shape
+    b, t, d = h.shape
+    if _router_kernel(b * t) and not deterministic and router.dtype == h.dtype:
         weights, experts = router_topk(h.reshape(b * t, d), router, k=k, normalize=c.norm_topk_prob,
                                        interpret=_interpret())
         return weights.reshape(b, t, k), experts.reshape(b, t, k)
