@@ -68,6 +68,13 @@ passes)
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
     ;;
+short)  # the passes part in under 5 minutes: the profile at 1 and 4 tokens, a K = 3 pass against one token
+    run qwen3-profile 150 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 1,4 --top 45
+    run qwen3-passes 140 python3 -m jaxspec.cli bench --shape $q --parts forward --verify-sizes 1,4 --spec-k 3 \
+        --prompt-lens 128 --no-hf --routing random
+    grep -h '"pass"' "$out"/qwen3-profile*.jsonl
+    grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
+    ;;
 pads)  # one-row products padded only under XLA's rewrite threshold (the default) or all of them, as before
     JAXSPEC_PAD_ONE_ROW=all run qwen3-profile-padall 120 python3 scripts/gpu_probes/moe_profile.py --shape $q \
         --tokens 1 --top 45
@@ -123,7 +130,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|pads|pads-steps|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|short|pads|pads-steps|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
