@@ -447,6 +447,20 @@ GATHER_MAX_BYTES = 512 * 2**20
 EXPERT_PATH_ENV = "JAXSPEC_EXPERT_PATH"
 
 
+# The expert kernel sums a few tokens' products in parts (pallas_kernels/experts.py k_splits) outside
+# deterministic mode; JAXSPEC_EXPERT_SPLIT=off keeps one program per column tile, to measure both.
+EXPERT_SPLIT_ENV = "JAXSPEC_EXPERT_SPLIT"
+
+
+def _expert_split(value: str) -> bool:
+    if value not in ("", "on", "off"):
+        raise InputError(f"{EXPERT_SPLIT_ENV} must be on or off (or unset); got {value!r}")
+    return value != "off"
+
+
+EXPERT_SPLIT = _expert_split(os.environ.get(EXPERT_SPLIT_ENV, ""))
+
+
 def _forced_expert_path(value: str) -> str | None:
     if value and value not in EXPERT_PATHS + ("xla",):
         raise InputError(f"{EXPERT_PATH_ENV} must be one of {', '.join(EXPERT_PATHS)}, xla (or unset); got {value!r}")
@@ -594,7 +608,7 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     if path == "kernel":
         y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k),
                         **_expert_kernel_args(w.experts_gate_up, w.experts_down), first_expert=first,
-                        interpret=_interpret())
+                        split=EXPERT_SPLIT and not deterministic, interpret=_interpret())
         y = y.astype(x.dtype).reshape(b, t, d)
     elif path == "gather":
         gate_up = _gathered_product("btd,btkdcf->btkcf", h, w.experts_gate_up, local).astype(x.dtype)
