@@ -80,16 +80,18 @@ pads)  # one-row products padded only under XLA's rewrite threshold (the default
         --tokens 1 --top 45
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     ;;
-ab)  # plain B = 1 steps against an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts,
+ab)  # plain B = 1 steps with the expert kernel's split on and off, and against an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts,
     # e.g. git archive REV jaxspec pallas_kernels scripts | tar -x -C runs/base, carried): Qwen3, then the 8B
     # under both pad rules
     base=${BASE:-runs/base}
-    run qwen3-plain-new 110 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
-        --new-tokens 64 --no-hf --routing random
-    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 110 python3 -m jaxspec.cli bench --shape $q --parts plain \
+    for split in on off; do
+        JAXSPEC_EXPERT_SPLIT=$split run qwen3-plain-split$split 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
+            --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random
+    done
+    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
         --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
     for rule in small all; do
-        JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 150 python3 -m jaxspec.cli bench --shape llama3-8b \
+        JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 125 python3 -m jaxspec.cli bench --shape llama3-8b \
             --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
     done
     grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
