@@ -80,20 +80,20 @@ pads)  # one-row products padded only under XLA's rewrite threshold (the default
         --tokens 1 --top 45
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     ;;
-ab)  # plain B = 1 steps with the expert kernel's split on and off, and against an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts,
-    # e.g. git archive REV jaxspec pallas_kernels scripts | tar -x -C runs/base, carried): Qwen3, then the 8B
-    # under both pad rules
+ab)  # plain B = 1 steps with the expert kernel's split on and off, the 8B under both pad rules, and Qwen3 on
+    # an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts, e.g. git archive REV jaxspec
+    # pallas_kernels scripts | tar -x -C runs/base, carried). Most wanted first: a cut call keeps what it measured.
     base=${BASE:-runs/base}
     for split in on off; do
         JAXSPEC_EXPERT_SPLIT=$split run qwen3-plain-split$split 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
             --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random
     done
-    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
-        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
     for rule in small all; do
         JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 125 python3 -m jaxspec.cli bench --shape llama3-8b \
             --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
     done
+    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
+        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
     grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
     ;;
 pads-steps)  # the same through the public API: plain steps at batch 1, Qwen3 and the dense 8B
