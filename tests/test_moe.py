@@ -308,4 +308,4 @@ def test_the_measurement_switches_refuse_unknown_values_by_name():
     with pytest.raises(InputError, match="JAXSPEC_PAD_ONE_ROW must be small or all"):
         forward._pad_one_row_rule("none")
     assert forward._router_path("") == "auto" and forward._forced_expert_path("") is None
-    assert forward._expert_split("") and not forward._expert_split("off") and forward._pad_one_row_rule("") == "small"
+    assert forward._expert_split("on") and not forward._expert_split("") and forward._pad_one_row_rule("") == "all"

@@ -254,8 +254,9 @@ def _kernel_project(spec: str, x, w, out_dtype=None, split_k: bool = True):
 # sizes of its unbatched operand matrices sum to under this many elements (its
 # IsMatrixMultiplicationTooSmallForRewriting threshold, 10M in the JAX 0.10-0.12 releases): only
 # those one-row products need _project's zero row. Larger ones (every projection of the 8B, Qwen3-
-# 30B-A3B's q/k/v) stay GEMMs without it, and the pad, its barrier and the slice are kernels saved.
-# JAXSPEC_PAD_ONE_ROW=all pads every one-row product, as before, to measure the two end to end.
+# 30B-A3B's q/k/v) would stay GEMMs without it, saving the pad, its barrier and the slice. Until a
+# GPU has timed both (scripts/gpu_probes/moe_remaining.sh ab), every one-row product is padded, as
+# it was measured; JAXSPEC_PAD_ONE_ROW=small pads only those under the threshold.
 XLA_DOT_REWRITE_BELOW = 10_000_000
 PAD_ONE_ROW_ENV = "JAXSPEC_PAD_ONE_ROW"
 
@@ -263,7 +264,7 @@ PAD_ONE_ROW_ENV = "JAXSPEC_PAD_ONE_ROW"
 def _pad_one_row_rule(value: str) -> str:
     if value not in ("", "small", "all"):
         raise InputError(f"{PAD_ONE_ROW_ENV} must be small or all (or unset); got {value!r}")
-    return value or "small"
+    return value or "all"
 
 
 PAD_ONE_ROW = _pad_one_row_rule(os.environ.get(PAD_ONE_ROW_ENV, ""))
@@ -447,15 +448,16 @@ GATHER_MAX_BYTES = 512 * 2**20
 EXPERT_PATH_ENV = "JAXSPEC_EXPERT_PATH"
 
 
-# The expert kernel sums a few tokens' products in parts (pallas_kernels/experts.py k_splits) outside
-# deterministic mode; JAXSPEC_EXPERT_SPLIT=off keeps one program per column tile, to measure both.
+# JAXSPEC_EXPERT_SPLIT=on: the expert kernel sums a few tokens' products in parts (pallas_kernels/
+# experts.py k_splits) outside deterministic mode. Off (one program per column tile, as measured)
+# until a GPU has timed both (scripts/gpu_probes/moe_remaining.sh ab).
 EXPERT_SPLIT_ENV = "JAXSPEC_EXPERT_SPLIT"
 
 
 def _expert_split(value: str) -> bool:
     if value not in ("", "on", "off"):
         raise InputError(f"{EXPERT_SPLIT_ENV} must be on or off (or unset); got {value!r}")
-    return value != "off"
+    return value == "on"
 
 
 EXPERT_SPLIT = _expert_split(os.environ.get(EXPERT_SPLIT_ENV, ""))

@@ -85,7 +85,7 @@ ab)  # plain B = 1 steps with the expert kernel's split on and off, the 8B under
     # pallas_kernels scripts | tar -x -C runs/base, carried). Most wanted first: a cut call keeps what it measured.
     base=${BASE:-runs/base}
     for split in on off; do
-        JAXSPEC_EXPERT_SPLIT=$split run qwen3-plain-split$split 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
+        JAXSPEC_PAD_ONE_ROW=small JAXSPEC_EXPERT_SPLIT=$split run qwen3-plain-split$split 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
             --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random
     done
     for rule in small all; do
