@@ -24,6 +24,10 @@ return at once. block_k depends on k only and every dot is [BLOCK_M, block_k] x 
 (block_n only picks which columns a program sums), so a row's sums have one order whatever the
 other rows are: the same token gives the same bits alone, in a batch or in a verify pass
 (deterministic mode; issue 25).
+
+Split (splits > 1, the default mode's few tokens only): grid (blocks, n / block_n, splits), each
+program summing its part of k; the parts' float32 sums are added in part order after (gate/up's
+as the down product loads them), so a row's bits then follow the split, not the layout alone.
 """
 
 from __future__ import annotations
