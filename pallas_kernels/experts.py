@@ -24,10 +24,6 @@ return at once. block_k depends on k only and every dot is [BLOCK_M, block_k] x 
 (block_n only picks which columns a program sums), so a row's sums have one order whatever the
 other rows are: the same token gives the same bits alone, in a batch or in a verify pass
 (deterministic mode; issue 25).
-
-Split (splits > 1, the default mode's few tokens only): grid (blocks, n / block_n, splits), each
-program summing its part of k; the parts' float32 sums are added in part order after (gate/up's
-as the down product loads them), so a row's bits then follow the split, not the layout alone.
 """
 
 from __future__ import annotations
@@ -100,57 +96,42 @@ def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M, 
 
 
 def _kernel(block_expert_ref, x_ref, w_ref, *rest, block_k: int, gated: bool, fmt: str, w_nk: bool,
-            native_fp8: bool, steps: int, split_out: bool, gated_in: bool):
+            native_fp8: bool):
     scale_ref = rest[0] if len(rest) == 2 else None
     o_ref = rest[-1]
     e = block_expert_ref[pl.program_id(0)]
-    bn = o_ref.shape[-1]
+    bn = o_ref.shape[1]
     col = pl.program_id(1) * bn  # (outside pl.when: interpret mode has no program ids inside a cond)
-    first = pl.program_id(2) * steps * block_k if split_out else 0  # this program's part of k
 
     @pl.when(e >= 0)
     def _():
+        k = x_ref.shape[1]
         cols = pl.ds(col, bn)
 
         def tile(at, half):  # [block_k, bn] (w_nk: [bn, block_k]) in x's dtype; 8 bits converted exactly
             rows = pl.ds(at, block_k)
             at_half = (half,) if gated else ()
             index = (e, *at_half, cols, rows) if w_nk else (e, rows, *at_half, cols)
-            return _weights_as(w_ref[index], fmt, w_ref.dtype if gated_in else x_ref.dtype, native_fp8)
-
-        def inputs(at):  # [rows, block_k] of x, or of silu(gate) * up from the gated kernel's split sums
-            if not gated_in:
-                return x_ref[:, pl.ds(at, block_k)]
-            sums = [x_ref[0, h, :, pl.ds(at, block_k)] for h in (0, 1)]
-            for s in range(1, x_ref.shape[0]):  # in part order
-                sums = [total + x_ref[s, h, :, pl.ds(at, block_k)] for h, total in enumerate(sums)]
-            return finish(sums[0], w_ref.dtype, up=sums[1])  # as the unsplit gated kernel's epilogue rounds it
+            return _weights_as(w_ref[index], fmt, x_ref.dtype, native_fp8)
 
         def step(i, accs):
-            at = pl.multiple_of(first + i * block_k, block_k)
-            x = inputs(at)
+            at = pl.multiple_of(i * block_k, block_k)
+            x = x_ref[:, pl.ds(at, block_k)]
             return tuple(acc + _dot(x, tile(at, h), ((1,), (1,)) if w_nk else ((1,), (0,)))
                          for h, acc in enumerate(accs))
 
-        zeros = jnp.zeros((o_ref.shape[-2], bn), jnp.float32)
-        accs = lax.fori_loop(0, steps, step, (zeros,) * (2 if gated else 1))
-        if split_out:  # float32 sums of this part of k, summed in part order by the next step
-            if gated:
-                o_ref[0, 0] = accs[0]
-                o_ref[0, 1] = accs[1]
-            else:
-                o_ref[0] = accs[0]
-            return
+        zeros = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
+        accs = lax.fori_loop(0, k // block_k, step, (zeros,) * (2 if gated else 1))
         if scale_ref is not None:  # per-channel scales factor out of the k sums: applied once, to them
             accs = tuple(acc * scale_ref[(e, h, cols) if gated else (e, cols)][None, :] for h, acc in enumerate(accs))
         o_ref[...] = finish(accs[0], o_ref.dtype, up=accs[1] if gated else None)
 
 
 @functools.partial(jax.jit, static_argnames=("gated", "fmt", "w_nk", "out_dtype", "block_k", "block_n", "num_warps",
-                                             "num_stages", "shared_x", "splits", "interpret"))
+                                             "num_stages", "shared_x", "interpret"))
 def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: str = "float", w_nk: bool = False,
                   out_dtype=None, block_k: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int = 3, shared_x: bool = False, splits: int = 1, interpret: bool = False):
+                  num_stages: int = 3, shared_x: bool = False, interpret: bool = False):
     """x [S, k] @ w[block's expert] (times scale[block's expert]) -> [S, n] in out_dtype (default
     x's); see the module docstring. fmt: w as x's float dtype, int8, or fp8 e4m3fn bits (uint8;
     pallas_kernels/matmul.py FORMATS), converted to x's dtype in registers as the matmul kernel
@@ -160,34 +141,23 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     largest powers of two up to DEFAULT_BLOCK_K and the platform's BLOCK_N that divide k and n).
     block_k fixes the order of every sum, so it follows the weights' shape, never the rows;
     block_n fixes none. shared_x: x is one block of BLOCK_M rows that every block multiplies by
-    its own expert (a few tokens' layout: no copy of x per block), out still a block each.
-
-    splits > 1 (float experts): k is summed in that many equal parts by programs of their own,
-    for a few tokens whose blocks alone leave most of the GPU idle; -> their float32 sums
-    [splits, S, n] (gated: [splits, 2, S, n], gate's and up's), for the next step to add in part
-    order. x may be such gated sums, [parts, 2, S, k] float32: each tile's silu(gate) * up is
-    formed from them as it is loaded (in w's dtype, rounded as the gated epilogue rounds it)."""
+    its own expert (a few tokens' layout: no copy of x per block), out still a block each."""
     if fmt not in FORMATS:
         raise ValueError(f"expert_matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
-    gated_in = x.ndim == 4
-    if gated_in and (x.shape[1] != 2 or x.dtype != jnp.float32 or fmt != "float"):
-        raise ValueError(f"expert_matmul x of split gated sums must be [parts, 2, S, k] float32, with float "
-                         f"experts; got {list(x.shape)} {x.dtype}, fmt {fmt!r}")
-    s, k = x.shape[-2:]
-    act_dtype = w.dtype if gated_in else x.dtype
+    s, k = x.shape
     n = w.shape[-2] if w_nk else w.shape[-1]
     pair = ["2"] if gated else []
     want = ["E", *pair, "n", f"k={k}"] if w_nk else ["E", f"k={k}", *pair, "n"]
     if w.ndim != len(want) or w.shape[want.index(f"k={k}")] != k or (gated and w.shape[want.index("2")] != 2):
         raise ValueError(f"expert_matmul w must be [{', '.join(want)}]; got {list(w.shape)}")
-    if shared_x and (s != BLOCK_M or block_expert.ndim != 1 or gated_in):
+    if shared_x and (s != BLOCK_M or block_expert.ndim != 1):
         raise ValueError(f"expert_matmul with shared_x: x must be one block of {BLOCK_M} rows, block_expert [blocks]; "
                          f"got x {list(x.shape)}, block_expert {list(block_expert.shape)}")
     if not shared_x and (s % BLOCK_M or block_expert.shape != (s // BLOCK_M,)):
         raise ValueError(f"expert_matmul x must hold whole blocks of {BLOCK_M} rows, one block_expert each; got "
                          f"x {list(x.shape)}, block_expert {list(block_expert.shape)}")
     blocks = block_expert.shape[0]
-    expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, act_dtype)
+    expected = {"int8": jnp.int8, "fp8": jnp.uint8}.get(fmt, x.dtype)
     if w.dtype != expected:
         what = "x's dtype" if fmt == "float" else f"for fmt {fmt!r}"
         raise ValueError(f"expert_matmul w must be {what} {jnp.dtype(expected).name}; got {w.dtype}")
@@ -196,44 +166,28 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
         raise ValueError(f"expert_matmul scale must be [E, {'2, ' if gated else ''}n={n}] float32; got "
                          f"{list(scale.shape)}")
     block_k = _largest_pow2_divisor(k, block_k or DEFAULT_BLOCK_K, "k")
-    if splits < 1 or (k // block_k) % splits or (splits > 1 and fmt != "float"):
-        raise ValueError(f"expert_matmul splits must divide k / block_k = {k // block_k} (float experts only); "
-                         f"got {splits} with fmt {fmt!r}")
     scaled = scale is not None or fmt == "fp8"  # fp8's bit decode leaves a factor 2^8 to the scale
     s32 = jnp.ones(scale_shape, jnp.float32) if scale is None else scale.astype(jnp.float32)
-    split = splits > 1
-    halves = (2,) if gated else ()
 
     def on(platform):
         native = fmt == "fp8" and platform in NATIVE_FP8
         columns = _largest_pow2_divisor(n, block_n or BLOCK_N.get(platform, DEFAULT_BLOCK_N), "n")
-        kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native,
-                                   steps=k // block_k // splits, split_out=split, gated_in=gated_in)
-        if gated_in:
-            x_spec = pl.BlockSpec((x.shape[0], 2, BLOCK_M, k), lambda i, j, *_: (0, 0, i, 0))
-        else:
-            x_spec = pl.BlockSpec((BLOCK_M, k), (lambda i, j, *_: (0, 0)) if shared_x else (lambda i, j, *_: (i, 0)))
-        if split:
-            out_spec = pl.BlockSpec((1, *halves, BLOCK_M, columns), lambda i, j, t: (t, *(0,) * len(halves), i, j))
-            out_shape = jax.ShapeDtypeStruct((splits, *halves, blocks * BLOCK_M, n), jnp.float32)
-        else:
-            out_spec = pl.BlockSpec((BLOCK_M, columns), lambda i, j: (i, j))
-            out_shape = jax.ShapeDtypeStruct((blocks * BLOCK_M, n), out_dtype or act_dtype)
+        kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native)
 
         def call(block_expert, x, w, s32):
             weights = (w, s32 * FP8_SHIFT if fmt == "fp8" and not native else s32) if scaled else (w,)
             return pl.pallas_call(
                 kernel,
-                grid=(blocks, n // columns) + ((splits,) if split else ()),
-                in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j, *_: (0,)), x_spec]
+                grid=(blocks, n // columns),
+                in_specs=[pl.BlockSpec(block_expert.shape, lambda i, j: (0,)),
+                          pl.BlockSpec((BLOCK_M, k), (lambda i, j: (0, 0)) if shared_x else (lambda i, j: (i, 0)))]
                 # the weights (and scales) whole, indexed by each block's expert inside
-                + [pl.BlockSpec(a.shape, lambda i, j, *_, a=a: (0,) * a.ndim) for a in weights],
-                out_specs=out_spec,
-                out_shape=out_shape,
+                + [pl.BlockSpec(a.shape, lambda i, j, a=a: (0,) * a.ndim) for a in weights],
+                out_specs=pl.BlockSpec((BLOCK_M, columns), lambda i, j: (i, j)),
+                out_shape=jax.ShapeDtypeStruct((blocks * BLOCK_M, n), out_dtype or x.dtype),
                 compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
                 interpret=interpret,
-                name=("expert_matmul_gated" if gated else "expert_matmul") + ("" if fmt == "float" else f"_{fmt}")
-                + ("_split" if split else ""),
+                name=("expert_matmul_gated" if gated else "expert_matmul") + ("" if fmt == "float" else f"_{fmt}"),
             )(block_expert, x, *weights)
         return call
 
@@ -286,24 +240,8 @@ def few_tokens_layout(h, experts, num_experts: int):
     return x, block_expert.astype(jnp.int32), read_back
 
 
-# Split-k for a few tokens (experts_mlp's split): each product is summed in parts by programs of
-# their own until about this many programs run. One Qwen3-30B-A3B token's gate/up is 8 blocks of
-# 6 column tiles, 48 programs each summing 16 steps down d in turn: an H100 ran it at 0.8 of its
-# floor (docs/moe.md), and narrower column tiles (more programs, as many steps) were no faster.
-# The parts are counted on 128-column tiles on every platform, so the shapes are the same.
-SPLIT_PROGRAMS = 256
-
-
-def k_splits(programs: int, steps: int) -> int:
-    """The parts (a power of two dividing steps) that bring `programs` up to SPLIT_PROGRAMS."""
-    parts = 1
-    while programs * parts * 2 <= SPLIT_PROGRAMS and steps % (parts * 2) == 0:
-        parts *= 2
-    return parts
-
-
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
-                first_expert=0, interpret: bool = False, grouped: bool = False, split: bool = False, **tiles):
+                first_expert=0, interpret: bool = False, grouped: bool = False, **tiles):
     """The experts of a mixture-of-experts MLP through expert_matmul: h [m, d] normed tokens,
     experts and weights [m, k] the router's choices (global expert ids) and their weights,
     gate_up [E, d, 2, f] and down [E, f, d] the experts held here, whose first is first_expert
@@ -312,27 +250,15 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     down_scale [E, d] (each expert's own, per output channel). -> [m, d] float32: each token's
     weighted expert outputs, summed over its k choices in order (so the sum too is the token's
     alone). tiles: expert_matmul's block_n, num_warps, num_stages. Up to BLOCK_M tokens take
-    few_tokens_layout, more the grouped one (grouped: the grouped one always, to measure them).
-    split: up to BLOCK_M tokens of float experts sum each product in parts (k_splits; gate/up's
-    parts are added as the down product loads them, down's in the sum back per token). A split
-    sum's order is not the unsplit one's, so a token's bits then depend on how many tokens came
-    with it: the default mode's path, never deterministic mode's."""
+    few_tokens_layout, more the grouped one (grouped: the grouped one always, to measure them)."""
     m, k = experts.shape
     e = gate_up.shape[0]
-    d, f = h.shape[1], down.shape[-1] if fmt != "float" else down.shape[1]
     few = m <= BLOCK_M and not grouped
     layout = few_tokens_layout if few else grouped_layout
     x, block_expert, read_back = layout(h, (experts - first_expert).reshape(-1), e)
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
-    parts = (1, 1)
-    if split and few and fmt == "float":
-        blocks = block_expert.shape[0]
-        parts = tuple(k_splits(blocks * max(1, n // 128), depth // _largest_pow2_divisor(depth, DEFAULT_BLOCK_K, "k"))
-                      for n, depth in ((f, d), (d, f)))
-    act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, shared_x=few, splits=parts[0], **kw)
-    out = expert_matmul(act, down, block_expert, down_scale, out_dtype=jnp.float32, splits=parts[1], **kw)
-    if parts[1] > 1:  # the down product's parts, in order
-        out = functools.reduce(jnp.add, list(out))
+    act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, shared_x=few, **kw)
+    out = expert_matmul(act, down, block_expert, down_scale, out_dtype=jnp.float32, **kw)
     pairs = read_back(out) * weights.reshape(-1, 1)
     pairs = pairs.reshape(m, k, -1)
     total = pairs[:, 0]

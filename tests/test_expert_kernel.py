@@ -50,14 +50,11 @@ def test_the_grouped_layout_gives_each_block_one_expert_and_each_pair_its_own_ro
 
 
 # (1 and up to 16 tokens: few_tokens_layout, 16 of 4 experts choosing each many times; 37: grouped)
-# split: up to 16 tokens sum in parts (1 token: gate/up in 4 parts, down in 2; 4 tokens: gate/up in 2)
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("m, e, k", [(1, 8, 2), (4, 16, 4), (16, 4, 2), (37, 4, 2)])
-def test_the_experts_mlp_matches_the_float32_reference(m, e, k, split):
+def test_the_experts_mlp_matches_the_float32_reference(m, e, k):
     rng = np.random.default_rng(m * e + k)
-    d, f = (512, 256) if split else (64, 32)
-    h, experts, weights, gate_up, down = routed(rng, m, e, k, d=d, f=f)
-    got = experts_mlp(h, experts, weights, gate_up, down, split=split, interpret=True)
+    h, experts, weights, gate_up, down = routed(rng, m, e, k, d=64, f=32)
+    got = experts_mlp(h, experts, weights, gate_up, down, interpret=True)
     want = experts_mlp_reference(h, experts, weights, gate_up, down)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
@@ -150,12 +147,6 @@ def test_one_tokens_experts_over_devices_holding_fewer_than_it_chooses():
     ((jnp.ones((16, 64)), jnp.ones((4, 64, 32)), jnp.zeros((1,), jnp.int32)), {"fmt": "int4"}, "fmt must be one of"),
     ((jnp.ones((32, 64)), jnp.ones((4, 64, 32)), jnp.zeros((5,), jnp.int32)), {"shared_x": True},
      "with shared_x: x must be one block of 16 rows"),
-    ((jnp.ones((16, 512)), jnp.ones((4, 512, 32)), jnp.zeros((1,), jnp.int32)), {"splits": 3},
-     r"splits must divide k / block_k = 4 \(float experts only\); got 3"),
-    ((jnp.ones((16, 256)), jnp.ones((4, 32, 256), jnp.int8), jnp.zeros((1,), jnp.int32)),
-     {"fmt": "int8", "w_nk": True, "splits": 2}, "float experts only"),
-    ((jnp.ones((2, 2, 16, 64), jnp.bfloat16), jnp.ones((4, 64, 32)), jnp.zeros((1,), jnp.int32)), {},
-     r"x of split gated sums must be \[parts, 2, S, k\] float32"),
 ])
 def test_bad_operands_are_refused_by_name(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -228,29 +219,3 @@ def test_the_column_tile_changes_no_bits():
     narrow, wide = (np.asarray(expert_matmul(x, gate_up, experts[0, :1], gated=True, block_n=n, interpret=True))
                     for n in (16, 64))
     assert np.array_equal(narrow, wide)
-
-
-@pytest.mark.parametrize("m, e, k, d, f, parts", [
-    (1, 128, 8, 2048, 768, (4, 2)),  # Qwen3-30B-A3B, one token: 48 gate/up programs, 128 down ones
-    (4, 128, 8, 2048, 768, (1, 1)),  # four tokens: 32 blocks, enough programs already
-    (1, 8, 2, 4096, 14336, (1, 4)),  # Mixtral-8x7B, one token: 224 gate/up programs, 64 down ones
-])
-def test_a_few_tokens_split_their_sums_until_the_gpu_has_programs_enough(m, e, k, d, f, parts):
-    """k_splits brings each product's programs up to SPLIT_PROGRAMS (in whole 128-column tiles,
-    the same on every platform); lowered for ROCm (gfx942) and CUDA, the split kernels are the
-    ones launched."""
-    from pallas_kernels.experts import SPLIT_PROGRAMS, k_splits
-    blocks = min(m * k, e)
-    assert (k_splits(blocks * f // 128, d // 128), k_splits(blocks * d // 128, f // 128)) == parts
-    assert all(p == 1 or blocks * n // 128 * p <= SPLIT_PROGRAMS for n, p in zip((f, d), parts))
-    args = (jax.ShapeDtypeStruct((m, d), jnp.bfloat16), jax.ShapeDtypeStruct((m, k), jnp.int32),
-            jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2, f), jnp.bfloat16),
-            jax.ShapeDtypeStruct((e, f, d), jnp.bfloat16))
-    for platform, device_kind in [("rocm", "gfx942"), ("cuda", "NVIDIA H200")]:
-        mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind, None, platform))
-        with use_abstract_mesh(mesh):
-            text = jax.jit(lambda *a: experts_mlp(*a, split=True)).trace(*args).lower(
-                lowering_platforms=(platform,)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2
-        assert ("expert_matmul_gated_split" in text) == (parts[0] > 1)
-        assert ("expert_matmul_split" in text) == (parts[1] > 1)

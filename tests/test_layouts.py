@@ -81,11 +81,11 @@ def test_greedy_output_matches(real_pair, gpu_layout_pair, humaneval20, kw):
 @pytest.mark.parametrize("k, n, padded", [(1024, 1024, True), (2048, 4864, True), (2048, 5120, False),
                                           (4096, 4096, False)])
 def test_one_row_products_are_padded_only_where_xla_would_rewrite_them(k, n, padded, monkeypatch):
-    """JAXSPEC_PAD_ONE_ROW=small: XLA's GPU simplifier turns a one-row product into multiply +
-    reduce kernels only when its operands hold under 10M elements (forward.XLA_DOT_REWRITE_BELOW):
-    those are padded with a zero row behind a barrier, larger ones (the 8B's projections, Qwen3-
-    30B-A3B's q/k/v at 2048 x 5120) are left to XLA's GEMM as they are. (The default, all, pads
-    every one: the 4096 x 4096 product too.)"""
+    """XLA's GPU simplifier turns a one-row product into multiply + reduce kernels only when its
+    operands hold under 10M elements (forward.XLA_DOT_REWRITE_BELOW): those are padded with a
+    zero row behind a barrier, larger ones (the 8B's projections, Qwen3-30B-A3B's q/k/v at
+    2048 x 5120) are left to XLA's GEMM as they are. (JAXSPEC_PAD_ONE_ROW=all pads every one,
+    the 4096 x 4096 product too.)"""
     from jaxspec.model import forward
     from jaxspec.model.forward import _project
     monkeypatch.setattr(forward, "PAD_ONE_ROW", "small")

@@ -303,9 +303,7 @@ def test_the_measurement_switches_refuse_unknown_values_by_name():
         forward._forced_expert_path("fast")
     with pytest.raises(InputError, match="JAXSPEC_ROUTER must be one of auto, xla, kernel"):
         forward._router_path("fused")
-    with pytest.raises(InputError, match="JAXSPEC_EXPERT_SPLIT must be on or off"):
-        forward._expert_split("yes")
     with pytest.raises(InputError, match="JAXSPEC_PAD_ONE_ROW must be small or all"):
         forward._pad_one_row_rule("none")
     assert forward._router_path("") == "auto" and forward._forced_expert_path("") is None
-    assert forward._expert_split("on") and not forward._expert_split("") and forward._pad_one_row_rule("") == "all"
+    assert forward._pad_one_row_rule("") == "small"

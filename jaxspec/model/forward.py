@@ -254,9 +254,10 @@ def _kernel_project(spec: str, x, w, out_dtype=None, split_k: bool = True):
 # sizes of its unbatched operand matrices sum to under this many elements (its
 # IsMatrixMultiplicationTooSmallForRewriting threshold, 10M in the JAX 0.10-0.12 releases): only
 # those one-row products need _project's zero row. Larger ones (every projection of the 8B, Qwen3-
-# 30B-A3B's q/k/v) would stay GEMMs without it, saving the pad, its barrier and the slice. Until a
-# GPU has timed both (scripts/gpu_probes/moe_remaining.sh ab), every one-row product is padded, as
-# it was measured; JAXSPEC_PAD_ONE_ROW=small pads only those under the threshold.
+# 30B-A3B's q/k/v) stay GEMMs without it, and the pad, its barrier and the slice are saved: on an
+# H100 (2026-12-07, bench plain at batch 1, alternating) the 8B's step took 5.576 ms against 5.606
+# padding all (three pairs), the 1B's 1.243 against 1.261 (two). JAXSPEC_PAD_ONE_ROW=all pads every
+# one-row product, as before, to compare.
 XLA_DOT_REWRITE_BELOW = 10_000_000
 PAD_ONE_ROW_ENV = "JAXSPEC_PAD_ONE_ROW"
 
@@ -264,7 +265,7 @@ PAD_ONE_ROW_ENV = "JAXSPEC_PAD_ONE_ROW"
 def _pad_one_row_rule(value: str) -> str:
     if value not in ("", "small", "all"):
         raise InputError(f"{PAD_ONE_ROW_ENV} must be small or all (or unset); got {value!r}")
-    return value or "all"
+    return value or "small"
 
 
 PAD_ONE_ROW = _pad_one_row_rule(os.environ.get(PAD_ONE_ROW_ENV, ""))
@@ -448,21 +449,6 @@ GATHER_MAX_BYTES = 512 * 2**20
 EXPERT_PATH_ENV = "JAXSPEC_EXPERT_PATH"
 
 
-# JAXSPEC_EXPERT_SPLIT=on: the expert kernel sums a few tokens' products in parts (pallas_kernels/
-# experts.py k_splits) outside deterministic mode. Off (one program per column tile, as measured)
-# until a GPU has timed both (scripts/gpu_probes/moe_remaining.sh ab).
-EXPERT_SPLIT_ENV = "JAXSPEC_EXPERT_SPLIT"
-
-
-def _expert_split(value: str) -> bool:
-    if value not in ("", "on", "off"):
-        raise InputError(f"{EXPERT_SPLIT_ENV} must be on or off (or unset); got {value!r}")
-    return value == "on"
-
-
-EXPERT_SPLIT = _expert_split(os.environ.get(EXPERT_SPLIT_ENV, ""))
-
-
 def _forced_expert_path(value: str) -> str | None:
     if value and value not in EXPERT_PATHS + ("xla",):
         raise InputError(f"{EXPERT_PATH_ENV} must be one of {', '.join(EXPERT_PATHS)}, xla (or unset); got {value!r}")
@@ -610,7 +596,7 @@ def moe_mlp(c: ModelConfig, w: LayerWeights, x, axis, deterministic, norm: Norm,
     if path == "kernel":
         y = experts_mlp(h.reshape(b * t, d), experts.reshape(b * t, k), weights.reshape(b * t, k),
                         **_expert_kernel_args(w.experts_gate_up, w.experts_down), first_expert=first,
-                        split=EXPERT_SPLIT and not deterministic, interpret=_interpret())
+                        interpret=_interpret())
         y = y.astype(x.dtype).reshape(b, t, d)
     elif path == "gather":
         gate_up = _gathered_product("btd,btkdcf->btkcf", h, w.experts_gate_up, local).astype(x.dtype)

@@ -11,8 +11,10 @@
 #                                                        # (docs/moe.md); B = 64 checks sorting past 256 pairs
 #   bash scripts/gpu_probes/moe_remaining.sh passes      # the batch-1 pass and a 4-token pass kernel by kernel, over a
 #                                                        # 128-token prefix and over an empty cache; verify passes 1-5
-#   bash scripts/gpu_probes/moe_remaining.sh pads        # the 1-token profile with every one-row product padded (before)
-#   bash scripts/gpu_probes/moe_remaining.sh pads-steps  # plain B = 1 steps, Qwen3 and the 8B, under both pad rules
+#   bash scripts/gpu_probes/moe_remaining.sh pads        # the 1-token profile with every one-row product padded (as before)
+#   bash scripts/gpu_probes/moe_remaining.sh ab          # plain B = 1 steps, Qwen3 against an older tree, the 8B under
+#                                                        # both pad rules, in one call
+#   bash scripts/gpu_probes/moe_remaining.sh short       # the profile at 1 and 4 tokens and a K = 3 pass, in one short call
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -80,14 +82,12 @@ pads)  # one-row products padded only under XLA's rewrite threshold (the default
         --tokens 1 --top 45
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     ;;
-ab)  # plain B = 1 steps with the expert kernel's split on and off, the 8B under both pad rules, and Qwen3 on
+ab)  # plain B = 1 steps: Qwen3, the 8B under both pad rules, and Qwen3 on
     # an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts, e.g. git archive REV jaxspec
     # pallas_kernels scripts | tar -x -C runs/base, carried). Most wanted first: a cut call keeps what it measured.
     base=${BASE:-runs/base}
-    for split in on off; do
-        JAXSPEC_PAD_ONE_ROW=small JAXSPEC_EXPERT_SPLIT=$split run qwen3-plain-split$split 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
-            --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random
-    done
+    run qwen3-plain-new 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
+        --new-tokens 64 --no-hf --routing random
     for rule in small all; do
         JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 125 python3 -m jaxspec.cli bench --shape llama3-8b \
             --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
@@ -95,15 +95,6 @@ ab)  # plain B = 1 steps with the expert kernel's split on and off, the 8B under
     (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
         --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
     grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
-    ;;
-pads-steps)  # the same through the public API: plain steps at batch 1, Qwen3 and the dense 8B
-    for rule in small all; do
-        JAXSPEC_PAD_ONE_ROW=$rule run qwen3-plain-pad$rule 120 python3 -m jaxspec.cli bench --shape $q --parts plain \
-            --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random
-        JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 150 python3 -m jaxspec.cli bench --shape llama3-8b \
-            --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
-    done
-    grep -h '"plain"' "$out"/*-plain-pad*.jsonl | cut -c1-300
     ;;
 sort)
     for pairs in 256 1024; do  # batch 64's 512 pairs sorted (COMPARE_MAX_PAIRS 256) or compared
@@ -132,7 +123,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|short|pads|pads-steps|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|short|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
