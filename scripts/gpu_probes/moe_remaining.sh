@@ -15,6 +15,7 @@
 #   bash scripts/gpu_probes/moe_remaining.sh ab          # plain B = 1 steps, Qwen3 against an older tree, the 8B under
 #                                                        # both pad rules, in one call
 #   bash scripts/gpu_probes/moe_remaining.sh short       # the profile at 1 and 4 tokens and a K = 3 pass, in one short call
+#   bash scripts/gpu_probes/moe_remaining.sh bars        # short, and the plain batch-1 step: the H200's two bars
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -77,6 +78,13 @@ short)  # the passes part in under 5 minutes: the profile at 1 and 4 tokens, a K
     grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     grep -h '"forward"' "$out"/*-passes.jsonl | cut -c1-300
     ;;
+bars)  # the issue's two batch-1 bars in one call (about 4 minutes): the plain step through the public API, the
+    # profile at 1 and 4 tokens, and a K = 3 pass against one token (an H200 is where the bars are set)
+    run qwen3-plain 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
+        --new-tokens 64 --no-hf --routing random
+    bash "$0" short
+    grep -h '"plain"' "$out"/qwen3-plain.jsonl | cut -c1-300
+    ;;
 pads)  # one-row products padded only under XLA's rewrite threshold (the default) or all of them, as before
     JAXSPEC_PAD_ONE_ROW=all run qwen3-profile-padall 120 python3 scripts/gpu_probes/moe_profile.py --shape $q \
         --tokens 1 --top 45
@@ -123,7 +131,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|short|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|short|bars|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
