@@ -87,15 +87,13 @@ def test_one_row_products_are_padded_only_where_xla_would_rewrite_them(k, n, pad
     2048 x 5120) are left to XLA's GEMM as they are. (JAXSPEC_PAD_ONE_ROW=all pads every one,
     the 4096 x 4096 product too.)"""
     from jaxspec.model import forward
-    from jaxspec.model.forward import _project
+
+    def barrier(rows):  # whether the accelerator layout's product of `rows` rows is padded behind a barrier
+        x, w = jax.ShapeDtypeStruct((1, rows, k), np.float32), jax.ShapeDtypeStruct((k, n), np.float32)
+        text = jax.jit(lambda x, w: forward._project("btd,df->btf", x, w, True)).lower(x, w).as_text()
+        return "optimization_barrier" in text
+
     monkeypatch.setattr(forward, "PAD_ONE_ROW", "small")
-    x = jax.ShapeDtypeStruct((1, 1, k), np.float32)
-    w = jax.ShapeDtypeStruct((k, n), np.float32)
-    text = jax.jit(lambda x, w: _project("btd,df->btf", x, w, True)).lower(x, w).as_text()
-    assert ("optimization_barrier" in text) == padded
-    two_rows = jax.jit(lambda x, w: _project("btd,df->btf", x, w, True)).lower(
-        jax.ShapeDtypeStruct((1, 2, k), np.float32), w).as_text()
-    assert "optimization_barrier" not in two_rows
+    assert barrier(1) == padded and not barrier(2)
     monkeypatch.setattr(forward, "PAD_ONE_ROW", "all")
-    text = jax.jit(lambda x, w: _project("btd,df->btf", x, w, True)).lower(x, w).as_text()
-    assert "optimization_barrier" in text
+    assert barrier(1)

@@ -271,8 +271,9 @@ def _pad_one_row_rule(value: str) -> str:
 PAD_ONE_ROW = _pad_one_row_rule(os.environ.get(PAD_ONE_ROW_ENV, ""))
 
 
-def _rewritten_as_reduce(x, w) -> bool:
-    """Whether XLA would turn this one-row product x [1, 1, k...] @ w into multiply + reduce."""
+def _gets_zero_row(x, w) -> bool:
+    """Whether the one-row product x [1, 1, k...] @ w is padded: every one under PAD_ONE_ROW
+    "all", else those XLA would turn into multiply + reduce."""
     return PAD_ONE_ROW == "all" or math.prod(x.shape[2:]) + w.size < XLA_DOT_REWRITE_BELOW
 
 
@@ -294,7 +295,7 @@ def _project(spec: str, x, w, pad_one_row: bool, deterministic: bool | Determini
     parts = deterministic_parts(deterministic)
     if parts and parts.projections:
         out = _kernel_project(spec, x, w, kwargs.get("preferred_element_type"), parts.split_k)
-    elif not (pad_one_row and x.shape[0] * x.shape[1] == 1 and _rewritten_as_reduce(x, w)):
+    elif not (pad_one_row and x.shape[0] * x.shape[1] == 1 and _gets_zero_row(x, w)):
         out = _einsum(spec, x, w, **kwargs)
     else:
         padded = lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2)))
