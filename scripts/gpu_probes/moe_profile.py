@@ -90,6 +90,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="passes in the traced loop")
     p.add_argument("--top", type=int, default=25, help="kernels reported per pass, by time")
     p.add_argument("--routing", choices=ROUTINGS, default="random")
+    p.add_argument("--hlo", help="a folder for each pass's compiled program (hlo-t<T>.txt.gz): which operations each "
+                   "kernel fuses")
     args = p.parse_args()
     model = with_routing(random_model(args.shape, args.dtype), args.routing)
     emit(kind="machine", shape=args.shape, device=str(jax.devices()[0].device_kind), routing=args.routing,
@@ -99,7 +101,12 @@ def main() -> int:
         run = forward_loop(model, 1, args.prompt_len, np.tril(np.ones((t, t), bool)), RunOptions().attention_impl,
                            args.steps)
         events, wall, where = profile(run, args.steps)
-        ops = op_names(run.compiled_text())
+        text = run.compiled_text()
+        ops = op_names(text)
+        if args.hlo:
+            pathlib.Path(args.hlo).mkdir(parents=True, exist_ok=True)
+            with gzip.open(pathlib.Path(args.hlo) / f"hlo-t{t}.txt.gz", "wt") as f:
+                f.write(text)
         total, count = collections.Counter(), collections.Counter()
         for e in events:
             total[e["name"]] += float(e.get("dur", 0))

@@ -16,6 +16,8 @@
 #                                                        # both pad rules, in one call
 #   bash scripts/gpu_probes/moe_remaining.sh short       # the profile at 1 and 4 tokens and a K = 3 pass, in one short call
 #   bash scripts/gpu_probes/moe_remaining.sh bars        # short, and the plain batch-1 step: the H200's two bars
+#   bash scripts/gpu_probes/moe_remaining.sh tiles       # one layer's experts at 1 and 4 tokens over block_n / warps /
+#                                                        # stages, and the 1-token pass's compiled program (hlo-t1.txt.gz)
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -85,6 +87,12 @@ bars)  # the issue's two batch-1 bars in one call (about 4 minutes): the plain s
     bash "$0" short
     grep -h '"plain"' "$out"/qwen3-plain.jsonl | cut -c1-300
     ;;
+tiles)  # the expert kernel's tiles for a few tokens (grid: blocks x n / block_n programs), and what XLA fused
+    run qwen3-tiles 170 python3 $costs --shape $q --skip step,verify --tokens 1,4 \
+        --tiles 0/4/3,64/4/3,32/4/3,64/4/4,32/4/4,128/4/5,64/8/3
+    run qwen3-hlo 90 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 1 --top 0 --hlo "$out"
+    grep -ho '"kernel_[a-z0-9_]*_us": [0-9.]*' "$out"/qwen3-tiles.jsonl
+    ;;
 pads)  # one-row products padded only under XLA's rewrite threshold (the default) or all of them, as before
     JAXSPEC_PAD_ONE_ROW=all run qwen3-profile-padall 120 python3 scripts/gpu_probes/moe_profile.py --shape $q \
         --tokens 1 --top 45
@@ -131,7 +139,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|short|bars|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|short|bars|tiles|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
