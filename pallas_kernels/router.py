@@ -4,23 +4,25 @@ and (when the model renormalizes) the chosen weights over their sum. XLA runs th
 kernels a layer (the product, the softmax's reductions, top_k, the renormalization): on an H100 the
 router of one Qwen3-30B-A3B token took 20.5 us a layer that way (docs/moe.md), for 0.5 MB of
 weights. A first version did it all in one program per 16 rows, so one multiprocessor read the
-whole router: 21.2 us. Here the product is spread over programs first.
+whole router: 21.2 us. The product is spread over programs first.
 
   h        [m, d]   the normed tokens
   router   [d, E]   h's dtype
   -> weights [m, k] float32, experts [m, k] int32, in lax.top_k's order: largest first, and of
      equal probabilities the lower expert first
 
-1. router_logits, grid (m / BLOCK_M, E / columns, splits): program (i, j, s) sums 16 rows' products
-   with `columns` experts over the s-th of `splits` equal parts of d, block_k rows of the router
-   at a time, into float32 partial logits [splits, m, E].
-2. router_choose, grid (m / BLOCK_M,): the partials summed in split order, then the softmax and
-   the top k.
+1. router_logits, grid (m, E / columns, splits): program (i, j, s) sums row i's products with
+   `columns` experts over the s-th of `splits` equal parts of d, block_k rows of the router at a
+   time (a multiply and a sum over the block_k rows: no tensor-core tile, whose 16 rows would
+   carry one real row), into float32 partial logits [splits, m, E].
+2. router_choose, grid (m,): row i's partials summed in split order, then the softmax and the top
+   k, in one warp (its reductions stay within the warp).
 
-Every sum's order is fixed by d, block_k and splits (the router's shape), never by the rows: a
-row's choice is the same alone or among others. E is padded to a power of two (at least 16,
-Triton's smallest dot tile) with columns that take no probability; k to a power of two, its
-padding sliced off.
+One row a program: nothing is padded to a block of rows, and every sum's order is fixed by d,
+block_k and splits (the router's shape), never by the rows: a row's choice is the same alone or
+among others. (The version before ran 16-row tensor-core dots; on an H100 its two kernels took
+4.8 us each a layer for one token, docs/moe.md.) E is padded to a power of two (at least 16) with
+columns that take no probability; k to a power of two, its padding sliced off.
 """
 
 from __future__ import annotations
@@ -33,15 +35,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.matmul import BLOCK_M, _dot, _largest_pow2_divisor
+from pallas_kernels.matmul import _largest_pow2_divisor
 
 DEFAULT_BLOCK_K = 128
-DEFAULT_COLUMNS = 16  # experts per program of the product (Triton's smallest dot tile)
-# Programs the product is spread over, per 16 rows, where d allows: Qwen3-30B-A3B's router (2048 x
-# 128) in 16 parts of 32 KB (8 column blocks x 2 parts of d), Mixtral's (4096 x 8, padded to 16
-# columns) in 16 parts of d. A power of two, as columns and the padded E are, so the parts of d it
-# asks for are one too. Not yet tuned on a GPU (scripts/gpu_probes/moe_costs.py times it).
-PRODUCT_PROGRAMS = 16
+DEFAULT_COLUMNS = 16  # experts per program of the product
+# Programs the product is spread over, per row, where d allows: Qwen3-30B-A3B's router (2048 x 128)
+# in 64 parts of 8 KB (8 column blocks x 8 parts of d, each one block_k step), Mixtral's (4096 x 8,
+# padded to 16 columns) in 32 parts of d. A power of two, as columns and the padded E are, so the
+# parts of d it asks for are one too. On an H100 (2026-12-07, 16-row dots, moe_costs.py) 64
+# programs ran one token's router op in 22.3 us against 25.1 for 16 and 24.6 for 1.
+PRODUCT_PROGRAMS = 64
 
 
 def _pow2_at_least(n: int, least: int = 1) -> int:
@@ -76,41 +79,40 @@ def router_topk(h, router, *, k: int, normalize: bool, block_k: int | None = Non
         splits = min(max(1, PRODUCT_PROGRAMS * columns // ep), steps & -steps)
     elif splits < 1 or splits & (splits - 1) or steps % splits:
         raise ValueError(f"router_topk splits must be a power of two dividing d / block_k = {steps}; got {splits}")
-    rows = -(-m // BLOCK_M) * BLOCK_M
-    h = jnp.pad(h, ((0, rows - m), (0, 0)))
     router = jnp.pad(router, ((0, 0), (0, ep - e)))
     part = d // splits
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     partial = pl.pallas_call(
         functools.partial(_logits_kernel, block_k=block_k),
-        grid=(rows // BLOCK_M, ep // columns, splits),
-        in_specs=[pl.BlockSpec((BLOCK_M, part), lambda i, j, s: (i, s)),
+        grid=(m, ep // columns, splits),
+        in_specs=[pl.BlockSpec((1, part), lambda i, j, s: (i, s)),
                   pl.BlockSpec((part, columns), lambda i, j, s: (s, j))],
-        out_specs=pl.BlockSpec((BLOCK_M, columns), lambda i, j, s: (s * (rows // BLOCK_M) + i, j)),
-        out_shape=jax.ShapeDtypeStruct((splits * rows, ep), jnp.float32),
-        compiler_params=params,
+        out_specs=pl.BlockSpec((1, columns), lambda i, j, s: (s * m + i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits * m, ep), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="router_logits",
     )(h, router)
     weights, experts = pl.pallas_call(
         functools.partial(_choose_kernel, experts=e, k=k, normalize=normalize),
-        grid=(rows // BLOCK_M,),
-        in_specs=[pl.BlockSpec((splits, BLOCK_M, ep), lambda i: (0, i, 0))],
-        out_specs=[pl.BlockSpec((BLOCK_M, kp), lambda i: (i, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((rows, kp), jnp.float32), jax.ShapeDtypeStruct((rows, kp), jnp.int32)],
-        compiler_params=params,
+        grid=(m,),
+        in_specs=[pl.BlockSpec((splits, 1, ep), lambda i: (0, i, 0))],
+        out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((m, kp), jnp.float32), jax.ShapeDtypeStruct((m, kp), jnp.int32)],
+        compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="router_choose",
-    )(partial.reshape(splits, rows, ep))
-    return weights[:m, :k], experts[:m, :k]
+    )(partial.reshape(splits, m, ep))
+    return weights[:, :k], experts[:, :k]
 
 
 def _logits_kernel(h_ref, r_ref, o_ref, *, block_k: int):
-    def step(i, acc):
+    def step(i, acc):  # [block_k] x [block_k, columns]: products summed down the block
         at = pl.multiple_of(i * block_k, block_k)
-        return acc + _dot(h_ref[:, pl.ds(at, block_k)], r_ref[pl.ds(at, block_k), :])
+        x = h_ref[0, pl.ds(at, block_k)].astype(jnp.float32)
+        return acc + jnp.sum(x[:, None] * r_ref[pl.ds(at, block_k), :].astype(jnp.float32), axis=0)
 
-    o_ref[...] = lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = lax.fori_loop(0, h_ref.shape[1] // block_k, step, jnp.zeros(o_ref.shape[1:], jnp.float32))
+    o_ref[...] = acc[None, :]
 
 
 def _choose_kernel(p_ref, w_ref, x_ref, *, experts: int, k: int, normalize: bool):
