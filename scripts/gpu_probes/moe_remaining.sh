@@ -17,7 +17,9 @@
 #   bash scripts/gpu_probes/moe_remaining.sh short       # the profile at 1 and 4 tokens and a K = 3 pass, in one short call
 #   bash scripts/gpu_probes/moe_remaining.sh bars        # short, and the plain batch-1 step: the H200's two bars
 #   bash scripts/gpu_probes/moe_remaining.sh tiles       # one layer's experts at 1 and 4 tokens over block_n / warps /
-#                                                        # stages, and the 1-token pass's compiled program (hlo-t1.txt.gz)
+#                                                        # stages; the profile at 1 and 4 tokens with each pass's
+#                                                        # compiled program (hlo-t1.txt.gz, hlo-t4.txt.gz)
+#   bash scripts/gpu_probes/moe_remaining.sh qab         # Qwen3's plain batch-1 step, this tree against BASE (as ab)
 #   bash scripts/gpu_probes/moe_remaining.sh qwen3       # the public API at random routing: plain B = 1-64, verify
 #                                                        # passes of 1-5 distinct tokens with their experts and floors,
 #                                                        # rounds and projections at each K (EAGLE-3 head, 0.6B draft)
@@ -90,7 +92,8 @@ bars)  # the issue's two batch-1 bars in one call (about 4 minutes): the plain s
 tiles)  # the expert kernel's tiles for a few tokens (grid: blocks x n / block_n programs), and what XLA fused
     run qwen3-tiles 170 python3 $costs --shape $q --skip step,verify --tokens 1,4 \
         --tiles 0/4/3,64/4/3,32/4/3,64/4/4,32/4/4,128/4/5,64/8/3
-    run qwen3-hlo 90 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 1 --top 0 --hlo "$out"
+    run qwen3-profile 150 python3 scripts/gpu_probes/moe_profile.py --shape $q --tokens 1,4 --top 45 --hlo "$out"
+    grep -h '"pass"' "$out"/qwen3-profile*.jsonl
     grep -ho '"kernel_[a-z0-9_]*_us": [0-9.]*' "$out"/qwen3-tiles.jsonl
     ;;
 pads)  # one-row products padded only under XLA's rewrite threshold (the default) or all of them, as before
@@ -108,6 +111,14 @@ ab)  # plain B = 1 steps: Qwen3, the 8B under both pad rules, and Qwen3 on
         JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 125 python3 -m jaxspec.cli bench --shape llama3-8b \
             --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
     done
+    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
+        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
+    grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
+    ;;
+qab)
+    base=${BASE:-runs/base}
+    run qwen3-plain-new 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
+        --new-tokens 64 --no-hf --routing random
     (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
         --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
     grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
@@ -139,7 +150,7 @@ mixtral)
         --acceptance-prompts 8 --no-hf --routing same --json "$out/mixtral-same.json"
     ;;
 *)
-    echo "usage: $0 router|profile|passes|short|bars|tiles|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
+    echo "usage: $0 router|profile|passes|short|bars|tiles|qab|pads|ab|sort|mixtral-passes|qwen3|same|mixtral" >&2
     exit 2
     ;;
 esac
