@@ -96,7 +96,7 @@ def group_pairs(experts: jnp.ndarray, num_experts: int, block_m: int = BLOCK_M, 
 
 
 def _kernel(block_expert_ref, x_ref, w_ref, *rest, block_k: int, gated: bool, fmt: str, w_nk: bool,
-            native_fp8: bool):
+            native_fp8: bool, x_rows: int):
     scale_ref = rest[0] if len(rest) == 2 else None
     o_ref = rest[-1]
     e = block_expert_ref[pl.program_id(0)]
@@ -116,7 +116,11 @@ def _kernel(block_expert_ref, x_ref, w_ref, *rest, block_k: int, gated: bool, fm
 
         def step(i, accs):
             at = pl.multiple_of(i * block_k, block_k)
-            x = x_ref[:, pl.ds(at, block_k)]
+            if x_rows < BLOCK_M:  # a few tokens' x, its missing rows read as zeros (no pad before)
+                real = lax.broadcasted_iota(jnp.int32, (BLOCK_M, block_k), 0) < x_rows
+                x = plt.load(x_ref.at[:, pl.ds(at, block_k)], mask=real, other=0)
+            else:
+                x = x_ref[:, pl.ds(at, block_k)]
             return tuple(acc + _dot(x, tile(at, h), ((1,), (1,)) if w_nk else ((1,), (0,)))
                          for h, acc in enumerate(accs))
 
@@ -140,8 +144,9 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     applied to the float32 sums before the epilogue. block_k, block_n: the tiles (None: the
     largest powers of two up to DEFAULT_BLOCK_K and the platform's BLOCK_N that divide k and n).
     block_k fixes the order of every sum, so it follows the weights' shape, never the rows;
-    block_n fixes none. shared_x: x is one block of BLOCK_M rows that every block multiplies by
-    its own expert (a few tokens' layout: no copy of x per block), out still a block each."""
+    block_n fixes none. shared_x: x is up to BLOCK_M rows (read as one block, the missing rows
+    zeros) that every block multiplies by its own expert (a few tokens' layout: no copy of x per
+    block, no pad), out still a block each."""
     if fmt not in FORMATS:
         raise ValueError(f"expert_matmul fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
     s, k = x.shape
@@ -150,8 +155,8 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     want = ["E", *pair, "n", f"k={k}"] if w_nk else ["E", f"k={k}", *pair, "n"]
     if w.ndim != len(want) or w.shape[want.index(f"k={k}")] != k or (gated and w.shape[want.index("2")] != 2):
         raise ValueError(f"expert_matmul w must be [{', '.join(want)}]; got {list(w.shape)}")
-    if shared_x and (s != BLOCK_M or block_expert.ndim != 1):
-        raise ValueError(f"expert_matmul with shared_x: x must be one block of {BLOCK_M} rows, block_expert [blocks]; "
+    if shared_x and (s > BLOCK_M or block_expert.ndim != 1):
+        raise ValueError(f"expert_matmul with shared_x: x must be at most {BLOCK_M} rows, block_expert [blocks]; "
                          f"got x {list(x.shape)}, block_expert {list(block_expert.shape)}")
     if not shared_x and (s % BLOCK_M or block_expert.shape != (s // BLOCK_M,)):
         raise ValueError(f"expert_matmul x must hold whole blocks of {BLOCK_M} rows, one block_expert each; got "
@@ -172,7 +177,8 @@ def expert_matmul(x, w, block_expert, scale=None, *, gated: bool = False, fmt: s
     def on(platform):
         native = fmt == "fp8" and platform in NATIVE_FP8
         columns = _largest_pow2_divisor(n, block_n or BLOCK_N.get(platform, DEFAULT_BLOCK_N), "n")
-        kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native)
+        kernel = functools.partial(_kernel, block_k=block_k, gated=gated, fmt=fmt, w_nk=w_nk, native_fp8=native,
+                                   x_rows=s if shared_x else BLOCK_M)
 
         def call(block_expert, x, w, s32):
             weights = (w, s32 * FP8_SHIFT if fmt == "fp8" and not native else s32) if scaled else (w,)
@@ -209,7 +215,7 @@ def grouped_layout(h, experts, num_experts: int, method: str | None = None):
 
 def few_tokens_layout(h, experts, num_experts: int):
     """The layout of up to BLOCK_M tokens (h [m, d], experts [m * k]), with nothing scattered: x
-    is the tokens themselves, padded to one block that every block multiplies (shared_x), and
+    is the tokens themselves, read as one block that every block multiplies (shared_x), and
     each distinct expert held here takes a block, in the order of the pairs that first chose
     them (min(m * k, num_experts) blocks, the unused ones -1), whose row i is token i through that
     expert; each pair's output is its token's row in its expert's block. A row's sums do not
@@ -221,7 +227,7 @@ def few_tokens_layout(h, experts, num_experts: int):
     m, p = h.shape[0], experts.shape[0]
     k = p // m
     kept = (experts >= 0) & (experts < num_experts)  # (pairs routed to another device: skipped)
-    x = jnp.pad(h, ((0, BLOCK_M - m), (0, 0)))
+    x = h
     if m == 1 and k <= num_experts:
         block_expert = jnp.where(kept, experts, -1)
         rows = lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]  # noqa: E731
