@@ -227,12 +227,13 @@ def main() -> int:
         paths += [(name, lambda h, x, g, d, fn=fn: fn(h, x, weights, g, d))
                   for name, fn in (kernels() | (kernels(grouped=True) if t <= BLOCK_M else {})).items()]
         paths += [("layout", layout), ("layout_sort", functools.partial(layout, method="sort")), ("router", router),
-                  ("router_kernel", router_kernel),  # the product over PRODUCT_PROGRAMS programs, and over 1 (the
-                  # first version's one program per 16 rows) and 64
-                  ("router_kernel_1_program", functools.partial(router_kernel, columns=128, splits=1)),
-                  ("router_kernel_64_programs",  # (8 parts of d where it has 8 tiles of 128; the default where not)
-                   functools.partial(router_kernel, columns=16, splits=8 if d % 1024 == 0 else None)),
-                  ("moe_layer", whole_layer)]
+                  ("router_kernel", router_kernel)]  # the product over PRODUCT_PROGRAMS programs a row; and over
+        steps, ep = d // 128, max(16, 1 << (e - 1).bit_length())  # (d's 128-row steps; E padded as the kernel does)
+        # 1, 16 and 128 programs a row, as far as those steps allow: 16 experts a program but for 1
+        paths += [(f"router_kernel_{n}_program{'s' * (n > 1)}", functools.partial(
+            router_kernel, columns=ep if n == 1 else 16, splits=1 if n == 1 else max(1, min(steps, n * 16 // ep))))
+            for n in (1, 16, 128)]
+        paths += [("moe_layer", whole_layer)]
         for name, fn in paths:
             call = lambda fn=fn: jax.block_until_ready(fn(h, experts, layer.experts_gate_up, layer.experts_down))  # noqa: E731
             looped = repeated(fn, args.op_steps)
