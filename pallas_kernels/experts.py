@@ -213,7 +213,7 @@ def grouped_layout(h, experts, num_experts: int, method: str | None = None):
     return x, block_expert, lambda out: jnp.take(out, slot, axis=0, mode="fill", fill_value=0)
 
 
-def few_tokens_layout(h, experts, num_experts: int):
+def few_tokens_layout(h, experts, num_experts: int, all_held: bool = False):
     """The layout of up to BLOCK_M tokens (h [m, d], experts [m * k]), with nothing scattered: x
     is the tokens themselves, read as one block that every block multiplies (shared_x), and
     each distinct expert held here takes a block, in the order of the pairs that first chose
@@ -222,12 +222,15 @@ def few_tokens_layout(h, experts, num_experts: int):
     depend on its block or row, so every token's bits are the grouped layout's. One token (a
     decode step at batch 1) needs not even the comparison: its k experts are distinct (a
     repeated one would be read twice, still correctly), so its blocks are its pairs in order and
-    each output the first row of its block. -> (x, block_expert, read_back), for expert_matmul's
-    shared_x."""
+    each output the first row of its block. all_held: every pair's expert is held here (no
+    expert parallelism), so one token's choices are its blocks as they are: no kernel before the
+    experts' to mark the others'. -> (x, block_expert, read_back), for expert_matmul's shared_x."""
     m, p = h.shape[0], experts.shape[0]
     k = p // m
     kept = (experts >= 0) & (experts < num_experts)  # (pairs routed to another device: skipped)
     x = h
+    if m == 1 and k <= num_experts and all_held:
+        return x, experts.astype(jnp.int32), lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]
     if m == 1 and k <= num_experts:
         block_expert = jnp.where(kept, experts, -1)
         rows = lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]  # noqa: E731
@@ -247,11 +250,12 @@ def few_tokens_layout(h, experts, num_experts: int):
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,
-                first_expert=0, interpret: bool = False, grouped: bool = False, **tiles):
+                first_expert=None, interpret: bool = False, grouped: bool = False, **tiles):
     """The experts of a mixture-of-experts MLP through expert_matmul: h [m, d] normed tokens,
     experts and weights [m, k] the router's choices (global expert ids) and their weights,
-    gate_up [E, d, 2, f] and down [E, f, d] the experts held here, whose first is first_expert
-    (pairs routed elsewhere add nothing). fmt "int8" / "fp8": 8-bit experts, channels first
+    gate_up [E, d, 2, f] and down [E, f, d] the experts held here: all of them (first_expert
+    None: every choice is one of them), or those from first_expert on (expert parallelism: pairs
+    routed elsewhere add nothing). fmt "int8" / "fp8": 8-bit experts, channels first
     (gate_up [E, 2, f, d], down [E, d, f]) with float32 scales gate_up_scale [E, 2, f] and
     down_scale [E, d] (each expert's own, per output channel). -> [m, d] float32: each token's
     weighted expert outputs, summed over its k choices in order (so the sum too is the token's
@@ -260,8 +264,11 @@ def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_
     m, k = experts.shape
     e = gate_up.shape[0]
     few = m <= BLOCK_M and not grouped
-    layout = few_tokens_layout if few else grouped_layout
-    x, block_expert, read_back = layout(h, (experts - first_expert).reshape(-1), e)
+    local = (experts - (0 if first_expert is None else first_expert)).reshape(-1)
+    if few:
+        x, block_expert, read_back = few_tokens_layout(h, local, e, all_held=first_expert is None)
+    else:
+        x, block_expert, read_back = grouped_layout(h, local, e)
     kw = dict(fmt=fmt, w_nk=fmt != "float", interpret=interpret, **tiles)
     act = expert_matmul(x, gate_up, block_expert, gate_up_scale, gated=True, shared_x=few, **kw)
     out = expert_matmul(act, down, block_expert, down_scale, out_dtype=jnp.float32, **kw)

@@ -197,9 +197,11 @@ def test_the_experts_mlp_lowers_for_a_gpu_without_loops(t):
 
 
 def test_one_tokens_experts_lower_for_a_gpu_without_grouping_scatter_or_gather():
-    """A decode step at batch 1: its k pairs take a block each, x is a padded copy of the token
-    and each output the first row of its block, so nothing is computed or moved but the two
-    kernels' work (the grouped layout's counts, scatter and gather were kernels of their own)."""
+    """A decode step at batch 1: its k pairs take a block each, x is the token itself (the
+    block's other rows masked) and each output the first row of its block, so nothing is
+    computed or moved but the two kernels' work (the grouped layout's counts, scatter and gather
+    were kernels of their own; then a pad of x, and a select marking the choices held here,
+    which with every expert held here are all of them)."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
     k, e, d, f = 8, 128, 2048, 768
     args = (jax.ShapeDtypeStruct((1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32),
@@ -208,7 +210,8 @@ def test_one_tokens_experts_lower_for_a_gpu_without_grouping_scatter_or_gather()
     with use_abstract_mesh(mesh):
         text = jax.jit(experts_mlp).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
-    assert not any(op in text for op in ("stablehlo.scatter", "stablehlo.gather", "stablehlo.while", "stablehlo.sort"))
+    assert not any(op in text for op in ("stablehlo.scatter", "stablehlo.gather", "stablehlo.while", "stablehlo.sort",
+                                         "stablehlo.pad", "stablehlo.select"))
 
 
 def test_the_column_tile_changes_no_bits():
