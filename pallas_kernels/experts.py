@@ -228,12 +228,11 @@ def few_tokens_layout(h, experts, num_experts: int, all_held: bool = False):
     m, p = h.shape[0], experts.shape[0]
     k = p // m
     kept = (experts >= 0) & (experts < num_experts)  # (pairs routed to another device: skipped)
-    x = h
-    if m == 1 and k <= num_experts and all_held:
-        return x, experts.astype(jnp.int32), lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]
     if m == 1 and k <= num_experts:
-        block_expert = jnp.where(kept, experts, -1)
         rows = lambda out: out.reshape(p, BLOCK_M, -1)[:, 0]  # noqa: E731
+        if all_held:
+            return h, experts.astype(jnp.int32), rows
+        block_expert = jnp.where(kept, experts, -1)
     else:  # [P, P] comparisons XLA fuses: each pair's first pair of its expert, and that one's rank
         # among the first pairs (so the blocks are the distinct experts, compacted)
         bins = jnp.where(kept, experts, num_experts)
@@ -246,7 +245,7 @@ def few_tokens_layout(h, experts, num_experts: int, all_held: bool = False):
         rows = lambda out: jnp.take(out, rank[first] * BLOCK_M + jnp.arange(p) // k, axis=0)  # noqa: E731
     # (a skipped pair's rows are never written: where, not a product, keeps them out)
     read_back = lambda out: jnp.where(kept[:, None], rows(out), 0)  # noqa: E731
-    return x, block_expert.astype(jnp.int32), read_back
+    return h, block_expert.astype(jnp.int32), read_back
 
 
 def experts_mlp(h, experts, weights, gate_up, down, *, fmt: str = "float", gate_up_scale=None, down_scale=None,

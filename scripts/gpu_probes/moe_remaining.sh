@@ -43,6 +43,11 @@ run() {  # run NAME SECONDS COMMAND...: its rows to $out/NAME.jsonl, its log to 
     echo "$name: exit $? ($(wc -l <"$out/$name.jsonl") rows)"
 }
 
+plain_qwen3() {  # plain_qwen3 NAME: Qwen3's plain batch-1 step through the public API (run from the current tree)
+    run "$1" 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
+        --new-tokens 64 --no-hf --routing random
+}
+
 bench_qwen3() {  # bench_qwen3 ROUTING SECONDS
     run "qwen3-$1" "$2" python3 -m jaxspec.cli bench --shape $q --draft-shape qwen3-0.6b \
         --parts plain,forward,acceptance,eagle,spec --batch-sizes 1,8,32,64 --prompt-lens 128 --new-tokens 64 \
@@ -84,8 +89,7 @@ short)  # the passes part in under 5 minutes: the profile at 1 and 4 tokens, a K
     ;;
 bars)  # the issue's two batch-1 bars in one call (about 4 minutes): the plain step through the public API, the
     # profile at 1 and 4 tokens, and a K = 3 pass against one token (an H200 is where the bars are set)
-    run qwen3-plain 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
-        --new-tokens 64 --no-hf --routing random
+    plain_qwen3 qwen3-plain
     bash "$0" short
     grep -h '"plain"' "$out"/qwen3-plain.jsonl | cut -c1-300
     ;;
@@ -105,22 +109,18 @@ ab)  # plain B = 1 steps: Qwen3, the 8B under both pad rules, and Qwen3 on
     # an older tree in the same call (BASE: its jaxspec, pallas_kernels and scripts, e.g. git archive REV jaxspec
     # pallas_kernels scripts | tar -x -C runs/base, carried). Most wanted first: a cut call keeps what it measured.
     base=${BASE:-runs/base}
-    run qwen3-plain-new 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
-        --new-tokens 64 --no-hf --routing random
+    plain_qwen3 qwen3-plain-new
     for rule in small all; do
         JAXSPEC_PAD_ONE_ROW=$rule run llama8b-plain-pad$rule 125 python3 -m jaxspec.cli bench --shape llama3-8b \
             --parts plain --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf
     done
-    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
-        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
+    (cd "$base" && PYTHONPATH=. plain_qwen3 qwen3-plain-base)
     grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
     ;;
-qab)
+qab)  # ab's Qwen3 rows alone
     base=${BASE:-runs/base}
-    run qwen3-plain-new 100 python3 -m jaxspec.cli bench --shape $q --parts plain --batch-sizes 1 --prompt-lens 128 \
-        --new-tokens 64 --no-hf --routing random
-    (cd "$base" && PYTHONPATH=. run qwen3-plain-base 100 python3 -m jaxspec.cli bench --shape $q --parts plain \
-        --batch-sizes 1 --prompt-lens 128 --new-tokens 64 --no-hf --routing random)
+    plain_qwen3 qwen3-plain-new
+    (cd "$base" && PYTHONPATH=. plain_qwen3 qwen3-plain-base)
     grep -h '"plain"' "$out"/*-plain-*.jsonl | cut -c1-300
     ;;
 sort)
